@@ -1,0 +1,285 @@
+"""The SSH server agents talk to: exec only, everything else refused.
+
+Each connection on the agent socket starts with one header line from the
+proxy naming the target; the daemon reads the peer's identity from the
+kernel while the proxy still waits, answers OK, and only then speaks SSH on
+the same socket. No SSH-level authentication is asked for: identity comes
+from the socket peer, never from anything the client presents.
+
+Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
+forwarding. Shell and subsystem requests are answered with the §4 JSON error
+so that the agent learns what to do instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+import asyncssh
+from asyncssh.packet import SSHPacket
+
+from bastion.dispatch import Outcome, Streams
+from bastion.errors import Code, Failure
+from bastion.gate import Dispatch, Request
+from bastion.identity import IdentityError
+
+log = logging.getLogger("bastion.agent")
+
+HEADER_PREFIX = b"BASTION/1 "
+MAX_HEADER = 4096
+HEADER_TIMEOUT = 5.0
+MAX_CONVERSATION = 256
+
+
+class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
+    """Keeps the exec command's exact bytes.
+
+    asyncssh refuses a non-UTF-8 exec request outright, which the agent sees
+    only as "exec request failed". Keeping the bytes lets the gate refuse it
+    with a §4 error instead, and lets the digest cover exactly what was sent.
+    """
+
+    exact_command: bytes | None = None
+
+    def _process_exec_request(self, packet: SSHPacket) -> bool:
+        command = packet.get_string()
+        packet.check_end()
+        self.exact_command = command
+        return self._start_session(command=command.decode("utf-8", "surrogateescape"))
+
+
+async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[str, str]:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await loop.sock_recv(sock, MAX_HEADER)
+        if not chunk:
+            raise ValueError("connection closed before the header")
+        data += chunk
+        if len(data) > MAX_HEADER:
+            raise ValueError("header too long")
+    if not data.startswith(HEADER_PREFIX) or data.count(b"\n") != 1:
+        raise ValueError("not a bastion proxy header (use `bastion proxy` as the ProxyCommand)")
+    fields = json.loads(data[len(HEADER_PREFIX) :])
+    host, user = fields.get("host"), fields.get("user")
+    if not isinstance(host, str) or not isinstance(user, str) or not host or not user:
+        raise ValueError("header lacks host or user")
+    return host.lower(), user
+
+
+class AgentListener:
+    """Accepts agent connections and hands each to an SSH server."""
+
+    def __init__(self, gateway: Any, sock: socket.socket) -> None:
+        from bastion.daemon import Gateway  # circular at import time only
+
+        self.gateway: Gateway = gateway
+        self.sock = sock
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[asyncssh.SSHServerConnection] = set()
+        self._options = asyncssh.SSHServerConnectionOptions(
+            server_host_keys=[gateway.host_key],
+            server_version="bastion",
+            agent_forwarding=False,
+            x11_forwarding=False,
+            allow_pty=False,
+            allow_scp=False,
+            line_editor=False,
+            login_timeout=30,
+            keepalive_interval=30,
+            config=None,
+        )
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn_sock, _ = await loop.sock_accept(self.sock)
+            task = asyncio.create_task(self._accept(conn_sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        self.sock.close()
+        for conn in list(self._conns):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _accept(self, sock: socket.socket) -> None:
+        from bastion.daemon import AgentConn
+
+        loop = asyncio.get_running_loop()
+        gw = self.gateway
+        try:
+            host, user = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
+            peer = await asyncio.to_thread(gw.resolver.identify, sock)
+        except (ValueError, TimeoutError, IdentityError, OSError) as exc:
+            log.warning("agent connection refused: %s", exc)
+            with contextlib.suppress(OSError):
+                await loop.sock_sendall(sock, b"ERR " + str(exc).encode()[:500] + b"\n")
+            sock.close()
+            return
+        if peer.uid == os.getuid():
+            gw.same_uid_agent_seen = True
+        conn = AgentConn(peer=peer, host=host, user=user)
+        try:
+            await loop.sock_sendall(sock, b"OK\n")
+            ssh_conn = await asyncssh.run_server(
+                sock, options=self._options, server_factory=lambda: _AgentSSH(gw, conn)
+            )
+        except (OSError, asyncssh.Error) as exc:
+            log.warning("agent connection from pid %d failed before SSH: %s", peer.pid, exc)
+            gw.connection_closed(conn)
+            sock.close()
+            return
+        self._conns.add(ssh_conn)
+        ssh_conn.get_owner()  # keep a reference alive with the connection
+        await ssh_conn.wait_closed()
+        self._conns.discard(ssh_conn)
+
+
+class _AgentSSH(asyncssh.SSHServer):
+    def __init__(self, gateway: Any, conn: Any) -> None:
+        self.gateway = gateway
+        self.conn = conn
+        self.ssh_user = ""
+        self._ssh: asyncssh.SSHServerConnection | None = None
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self._ssh = conn
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gateway.connection_closed(self.conn)
+
+    def begin_auth(self, username: str) -> bool:
+        self.ssh_user = username
+        return False  # identity comes from the socket peer
+
+    def session_requested(self) -> Any:
+        assert self._ssh is not None
+        chan = self._ssh.create_server_channel(encoding=None)
+        chan.__class__ = _ExactCommandChannel
+        process = asyncssh.SSHServerProcess(self._exec, None, 3, False)
+        return chan, process
+
+    async def _exec(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
+        from bastion.daemon import new_request_id
+
+        request_id = new_request_id()
+        try:
+            await self._serve(process, request_id)
+        except Exception:
+            log.exception("%s: internal error", request_id)
+            _finish_failure(
+                process,
+                Failure(
+                    Code.INTERNAL,
+                    "The gateway failed while handling this request; an operator "
+                    "can read the gateway's log. Inspect the target before retrying.",
+                    request_id,
+                ),
+            )
+
+    async def _serve(self, process: asyncssh.SSHServerProcess[bytes], request_id: str) -> None:
+        gw, conn = self.gateway, self.conn
+        chan = process.channel
+        command = getattr(chan, "exact_command", None)
+        if command is None:
+            what = "a subsystem" if process.subsystem else "an interactive shell"
+            return _finish_failure(
+                process,
+                Failure(
+                    Code.UNSUPPORTED_REQUEST,
+                    f"bastion does not open {what}; it runs one command "
+                    "per ssh call: ssh HOST 'COMMAND'. Nothing was sent.",
+                    request_id,
+                ),
+            )
+        if self.ssh_user != conn.user:
+            return _finish_failure(
+                process,
+                Failure(
+                    Code.UNSUPPORTED_REQUEST,
+                    f'The ssh user "{self.ssh_user}" does not match the '
+                    f'user "{conn.user}" given to the proxy; use USER@HOST. Nothing was sent.',
+                    request_id,
+                ),
+            )
+        env = process.env
+        conversation = env.get("BASTION_CONVERSATION")
+        if conversation is not None:
+            conversation = conversation[:MAX_CONVERSATION]
+        req = Request(request_id, conn.host, conn.user, command, conn.peer.subject.key)
+        log.info(
+            "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",
+            request_id,
+            conn.user,
+            conn.host,
+            conn.peer.subject.pid,
+            conn.peer.subject.exe,
+            len(command),
+            req.command_sha256[:16],
+        )
+        decided = await gw.authorize(conn, req, conversation)
+        if isinstance(decided, Failure):
+            log.info("%s: denied %s", request_id, decided.code.name)
+            return _finish_failure(process, decided)
+        await self._dispatch(process, req, conversation, decided)
+
+    async def _dispatch(
+        self,
+        process: asyncssh.SSHServerProcess[bytes],
+        req: Request,
+        conversation: str | None,
+        decided: Dispatch,
+    ) -> None:
+        gw, conn = self.gateway, self.conn
+        if decided.command_grant is not None:
+            gw.book.use_command_grant(decided.command_grant.id)
+        epoch = gw.vault.epoch
+
+        async def before_exec() -> None:
+            failure = gw.recheck(conn, req, conversation, decided)
+            if failure is not None:
+                raise _Abort(failure)
+
+        streams = Streams(process.stdin, process.stdout, process.stderr)
+        try:
+            result = await gw.dispatcher.run(
+                decided.host, decided.account, epoch, req.command, streams, before_exec
+            )
+        except _Abort as abort:
+            log.info("%s: not sent, world changed: %s", req.request_id, abort.failure.code.name)
+            return _finish_failure(process, abort.failure)
+        log.info(
+            "%s: %s%s",
+            req.request_id,
+            result.outcome.value,
+            f" (exit {result.exit_status})" if result.exit_status is not None else "",
+        )
+        if result.outcome is Outcome.COMPLETED:
+            assert result.exit_status is not None
+            process.exit(result.exit_status)
+        elif result.outcome is Outcome.SIGNALLED:
+            assert result.signal is not None
+            name, core, message, lang = result.signal
+            process.exit_with_signal(name, core, message, lang)
+        else:
+            assert result.code is not None
+            _finish_failure(process, Failure(result.code, result.message, req.request_id))
+
+
+class _Abort(Exception):
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
+
+
+def _finish_failure(process: asyncssh.SSHServerProcess[bytes], failure: Failure) -> None:
+    with contextlib.suppress(OSError, asyncssh.Error):
+        process.stderr.write(failure.json_line())
+        process.exit(failure.code.exit_status)

@@ -1,0 +1,296 @@
+"""Cards a person answers, and the grants their answers create.
+
+Grants live in memory only: a gateway restart ends them all, by construction.
+A card is a question about one request at one moment (one vault epoch, one
+gateway lifetime); once the world it was asked in is gone -- the process
+exited, the connection closed, the vault locked -- the card is withdrawn and
+an answer to it is refused. An answer never sends anything by itself: it
+only wakes the waiting request, which asks the gate again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from bastion.gate import CommandGrant, EndReason, SessionGrant
+from bastion.identity import ProcessInfo, Subject
+
+
+class CardKind(enum.Enum):
+    SESSION = "session"
+    COMMAND = "command"
+
+
+class Answer(enum.Enum):
+    """How a card's life ended, as the waiting request learns it."""
+
+    APPROVED = "approved"
+    DECLINED = "declined"
+    TIMEOUT = "timeout"
+    WITHDRAWN_LOCKED = "withdrawn_locked"  # vault locked: the question is void
+    WITHDRAWN_GONE = "withdrawn_gone"  # process exited or connection closed
+
+
+class CardError(Exception):
+    """An operator answer that cannot be applied (unknown, stale, or void card)."""
+
+
+@dataclass(frozen=True)
+class Card:
+    """What the operator sees and decides on. Immutable: a changed world
+    means a new card, never an edited one."""
+
+    id: str
+    kind: CardKind
+    request_id: str
+    reason: EndReason | None
+    host: str
+    address: str
+    port: int
+    user: str
+    credential: str
+    host_key_fingerprint: str
+    command: str | None  # exact command, non-printable bytes escaped (command cards)
+    command_sha256: str | None
+    subject: Subject
+    chain: tuple[ProcessInfo, ...]
+    conversation: str | None
+    boot_id: str
+    vault_epoch: int
+    entry_digest: str
+    created_at: float
+    expires_at: float
+    session_id: str | None = None  # command cards: the session they extend
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "request_id": self.request_id,
+            "reason": self.reason.value if self.reason else None,
+            "host": self.host,
+            "address": self.address,
+            "port": self.port,
+            "user": self.user,
+            "credential": self.credential,
+            "host_key_fingerprint": self.host_key_fingerprint,
+            "command": self.command,
+            "command_sha256": self.command_sha256,
+            "subject": self.subject.as_json(),
+            "chain": [
+                {
+                    "pid": p.pid,
+                    "exe": p.exe,
+                    "exe_sha256": p.exe_sha256,
+                    "uid": p.uid,
+                    "start_time": p.start_time,
+                    "cmdline": list(p.cmdline),
+                }
+                for p in self.chain
+            ],
+            "conversation": self.conversation,
+            "vault_epoch": self.vault_epoch,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+
+
+@dataclass
+class _Open:
+    card: Card
+    future: asyncio.Future[Answer]
+    approver_seen: bool = False
+
+
+@dataclass
+class _Live:
+    grant: SessionGrant
+    subject: Subject
+    conversation: str | None
+
+
+def _match_key(exe: str, conversation: str | None, host: str, user: str) -> tuple[str, ...]:
+    """Which later subject counts as 'the same agent' for explaining a new
+    card: same executable, same conversation ref, same host and account.
+    It explains; it never authorises."""
+    return (exe, conversation or "", host, user)
+
+
+def escape_command(command: bytes) -> str:
+    """Show exactly what will run: printable ASCII as is, everything else
+    escaped, so a person can never be shown something other than the bytes."""
+    out: list[str] = []
+    for ch in command.decode("utf-8", errors="surrogateescape"):
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        elif 0xDC80 <= code <= 0xDCFF:  # an undecodable byte
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "".join(out)
+
+
+@dataclass
+class ApprovalBook:
+    """The gateway's memory of who may do what right now."""
+
+    boot_id: str
+    clock: Callable[[], float] = time.time
+    _cards: dict[str, _Open] = field(default_factory=dict)
+    _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
+    _ended: dict[tuple[str, ...], EndReason] = field(default_factory=dict)
+    _command_grants: dict[str, CommandGrant] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # -- cards -----------------------------------------------------------------
+
+    def open_card(self, card: Card) -> asyncio.Future[Answer]:
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._cards[card.id] = _Open(card, fut)
+        self._notify()
+        return fut
+
+    def pending(self) -> list[Card]:
+        return [o.card for o in self._cards.values() if not o.future.done()]
+
+    def note_operator(self) -> None:
+        """An operator is looking: a timeout now means nobody answered, not
+        that nobody could have."""
+        for o in self._cards.values():
+            o.approver_seen = True
+
+    def close_card(self, card_id: str, answer: Answer) -> bool:
+        """End a card's life; True if it was still open (and is now answered)."""
+        o = self._cards.pop(card_id, None)
+        if o is None or o.future.done():
+            return False
+        o.future.set_result(answer)
+        self._notify()
+        return True
+
+    def approver_seen(self, card_id: str) -> bool:
+        o = self._cards.get(card_id)
+        return bool(o and o.approver_seen)
+
+    def decide(self, card_id: str, approve: bool, vault_epoch: int, locked: bool) -> Card:
+        """Apply an operator's answer, or refuse it if the card's world is gone."""
+        o = self._cards.get(card_id)
+        if o is None or o.future.done():
+            raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
+        card = o.card
+        if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
+            self.close_card(card_id, Answer.WITHDRAWN_LOCKED)
+            raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
+        if approve:
+            if card.kind is CardKind.SESSION:
+                self._grant_session(card)
+            else:
+                self._grant_command(card)
+        self.close_card(card_id, Answer.APPROVED if approve else Answer.DECLINED)
+        return card
+
+    def withdraw(self, pred: Callable[[Card], bool], answer: Answer) -> list[Card]:
+        gone = [o.card for o in self._cards.values() if not o.future.done() and pred(o.card)]
+        for card in gone:
+            self.close_card(card.id, answer)
+        return gone
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Wake when a card opens or closes (or after `timeout`)."""
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- session grants ----------------------------------------------------------
+
+    def _grant_session(self, card: Card) -> SessionGrant:
+        grant = SessionGrant(
+            id="ses_" + secrets.token_hex(6),
+            subject_key=card.subject.key,
+            host=card.host,
+            user=card.user,
+            boot_id=card.boot_id,
+            vault_epoch=card.vault_epoch,
+            entry_digest=card.entry_digest,
+            approved_at=self.clock(),
+        )
+        key = (card.subject.key, card.host, card.user)
+        self._sessions[key] = _Live(grant, card.subject, card.conversation)
+        self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, card.user), None)
+        return grant
+
+    def session_for(
+        self, subject: Subject, host: str, user: str, conversation: str | None
+    ) -> tuple[SessionGrant | None, EndReason | None]:
+        """The live grant for this subject and entry, else why a matching one ended."""
+        live = self._sessions.get((subject.key, host, user))
+        if live is not None:
+            return live.grant, None
+        return None, self._ended.get(_match_key(subject.exe, conversation, host, user))
+
+    def sessions(self) -> list[tuple[SessionGrant, Subject]]:
+        return [(live.grant, live.subject) for live in self._sessions.values()]
+
+    def end_sessions(self, pred: Callable[[SessionGrant], bool], reason: EndReason) -> list[str]:
+        """End every grant matching `pred`, remembering why for the next card."""
+        ended: list[str] = []
+        for key, live in list(self._sessions.items()):
+            if pred(live.grant):
+                del self._sessions[key]
+                g = live.grant
+                self._ended[_match_key(live.subject.exe, live.conversation, g.host, g.user)] = (
+                    reason
+                )
+                ended.append(g.id)
+        return ended
+
+    def subjects(self) -> Iterable[Subject]:
+        return [live.subject for live in self._sessions.values()]
+
+    # -- command grants ----------------------------------------------------------
+
+    def _grant_command(self, card: Card) -> CommandGrant:
+        assert card.session_id is not None and card.command_sha256 is not None
+        grant = CommandGrant(
+            id="cmd_" + secrets.token_hex(6),
+            session_id=card.session_id,
+            address=card.address,
+            port=card.port,
+            host_key_fingerprint=card.host_key_fingerprint,
+            user=card.user,
+            credential=card.credential,
+            command_sha256=card.command_sha256,
+            expires_at=card.expires_at,
+        )
+        self._command_grants[card.id] = grant
+        return grant
+
+    def command_grant(self, card_id: str | None) -> CommandGrant | None:
+        return self._command_grants.get(card_id) if card_id else None
+
+    def use_command_grant(self, grant_id: str) -> CommandGrant:
+        """Mark a command grant used -- before dispatch, so it can never run twice."""
+        card_id = next(c for c, g in self._command_grants.items() if g.id == grant_id)
+        return replace(self._command_grants.pop(card_id), used=True)

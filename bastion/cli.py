@@ -1,0 +1,599 @@
+"""The `bastion` command: parse, call, print. Nothing is decided here.
+
+Every read takes `--json`. Operator commands talk to the running gateway over
+its operator socket; `init`, `key` (when no gateway runs) and `hostkey` work
+on files directly.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from bastion.home import Home, default_home
+
+KEYRING_SERVICE = "bastion"
+HOST_KEY_ALIAS = "bastion-gateway"
+
+
+def fail(message: str, status: int = 1) -> NoReturn:
+    click.echo(f"bastion: {message}", err=True)
+    sys.exit(status)
+
+
+def emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
+    click.echo(json.dumps(data, indent=2) if as_json else human(data))
+
+
+def home_of(ctx: click.Context) -> Home:
+    return Home(ctx.obj["home"])
+
+
+def op(ctx: click.Context, name: str, timeout: float = 30.0, **args: Any) -> Any:
+    from bastion import operator
+
+    try:
+        return operator.call(home_of(ctx).operator_socket, name, timeout=timeout, **args)
+    except operator.OperatorError as exc:
+        fail(str(exc))
+
+
+def read_passphrase(
+    from_stdin: bool, use_keyring: bool, home: Home, confirm: bool = False
+) -> bytes:
+    if use_keyring:
+        import keyring
+
+        secret = keyring.get_password(KEYRING_SERVICE, str(home.root))
+        if secret is None:
+            fail(
+                f"no passphrase for {home.root} in the OS keyring (service '{KEYRING_SERVICE}'); "
+                "store one with `bastion init --keyring` or `bastion unlock --store-keyring`"
+            )
+        return secret.encode()
+    if from_stdin:
+        line = sys.stdin.buffer.readline()
+        return line.rstrip(b"\r\n")
+    if not sys.stdin.isatty():
+        fail("no terminal to ask for the passphrase; use --passphrase-stdin or --keyring")
+    first = getpass.getpass("Vault passphrase: ").encode()
+    if confirm and getpass.getpass("Again: ").encode() != first:
+        fail("the passphrases do not match; nothing was changed")
+    return first
+
+
+def store_keyring(home: Home, passphrase: bytes) -> None:
+    import keyring
+
+    keyring.set_password(KEYRING_SERVICE, str(home.root), passphrase.decode())
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Bastion home (default: $BASTION_HOME or $XDG_DATA_HOME/bastion).",
+)
+@click.version_option(package_name="bastion")
+@click.pass_context
+def main(ctx: click.Context, home: Path | None) -> None:
+    """A local SSH bastion: agents run commands on real servers through the
+    stock ssh client, and never hold a key."""
+    ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@click.option(
+    "--keyring",
+    "use_keyring",
+    is_flag=True,
+    help="Also store the passphrase in the OS keyring for `unlock --keyring`.",
+)
+@click.pass_context
+def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
+    """Create the home: vault, the gateway's SSH host key, policy directory."""
+    import asyncssh
+
+    from bastion.vault import Vault, VaultError
+
+    home = home_of(ctx)
+    if home.exists():
+        fail(f"{home.root} is already initialised (vault at {home.vault}); nothing was changed")
+    passphrase = read_passphrase(passphrase_stdin, False, home, confirm=True)
+    if not passphrase:
+        fail("an empty passphrase is not allowed; nothing was created")
+    home.make_dirs()
+    try:
+        Vault.create(home.vault, passphrase).lock()
+    except VaultError as exc:
+        fail(str(exc))
+    key = asyncssh.generate_private_key("ssh-ed25519", comment="bastion-gateway")
+    old = os.umask(0o177)
+    try:
+        key.write_private_key(str(home.host_key))
+    finally:
+        os.umask(old)
+    public = key.export_public_key().decode().strip()
+    home.known_hosts.write_text(f"{HOST_KEY_ALIAS} {public}\n")
+    if use_keyring:
+        store_keyring(home, passphrase)
+    click.echo(
+        f"Initialised {home.root}\n"
+        f"  vault:     {home.vault} (locked)\n"
+        f"  policies:  {home.policies}/ (empty: add *.toml files, see policies/example.toml)\n"
+        "Next: `bastion key generate LABEL`, write a policy, `bastion daemon`, "
+        "`bastion unlock`, `bastion ssh-config > agent_ssh_config`."
+    )
+
+
+@main.command()
+@click.option(
+    "--policies",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Policy directory (default: HOME/policies).",
+)
+@click.option(
+    "--agent-socket",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Agent socket path (default: HOME/run/agent.sock).",
+)
+@click.option(
+    "--agent-group",
+    default=None,
+    help="Group allowed to connect to the agent socket (agents as another user).",
+)
+@click.option(
+    "--approval-timeout",
+    type=click.FloatRange(min=0.1),
+    default=120.0,
+    show_default=True,
+    help="Seconds a card waits for an answer.",
+)
+@click.option(
+    "--keepalive",
+    type=click.FloatRange(min=0.1),
+    default=15.0,
+    show_default=True,
+    help="Seconds between keepalives to targets (3 missed = connection lost).",
+)
+@click.pass_context
+def daemon(
+    ctx: click.Context,
+    policies: Path | None,
+    agent_socket: Path | None,
+    agent_group: str | None,
+    approval_timeout: float,
+    keepalive: float,
+) -> None:
+    """Run the gateway in the foreground. It starts locked."""
+    from bastion.daemon import Settings, run_daemon
+
+    home = home_of(ctx)
+    if not home.exists():
+        fail(f"{home.root} is not initialised; run `bastion init` first")
+    gid = None
+    if agent_group is not None:
+        import grp
+
+        try:
+            gid = grp.getgrnam(agent_group).gr_gid
+        except KeyError:
+            fail(f"no group named {agent_group!r}")
+    run_daemon(
+        Settings(
+            home=home,
+            policies=(policies or home.policies).absolute(),
+            agent_socket=(agent_socket or home.agent_socket).absolute(),
+            agent_group=gid,
+            approval_timeout=approval_timeout,
+            keepalive_interval=keepalive,
+        )
+    )
+
+
+@main.command()
+@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@click.option("--keyring", "use_keyring", is_flag=True, help="Read it from the OS keyring.")
+@click.option("--store-keyring", is_flag=True, help="After unlocking, store it in the keyring.")
+@click.pass_context
+def unlock(
+    ctx: click.Context,
+    passphrase_stdin: bool,
+    use_keyring: bool,
+    store_keyring_: bool = False,
+    **kw: Any,
+) -> None:
+    """Unlock the vault in the running gateway (ends every session approval)."""
+    home = home_of(ctx)
+    passphrase = read_passphrase(passphrase_stdin, use_keyring, home)
+    result = op(ctx, "unlock", timeout=60, passphrase=passphrase.decode("utf-8", "replace"))
+    if kw.get("store_keyring"):
+        store_keyring(home, passphrase)
+    click.echo(f"unlocked (vault epoch {result['vault_epoch']})")
+
+
+@main.command()
+@click.pass_context
+def lock(ctx: click.Context) -> None:
+    """Lock the vault: deny everything at once, end every approval, queue nothing."""
+    result = op(ctx, "lock")
+    click.echo(f"locked (vault epoch {result['vault_epoch']})")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Gateway state: vault, policy, isolation."""
+    s = op(ctx, "status")
+
+    def human(s: dict[str, Any]) -> str:
+        policy = "ok" if s["policy"]["ok"] else f"UNAVAILABLE: {s['policy']['error']}"
+        return (
+            f"vault:     {'locked' if s['locked'] else 'unlocked'} (epoch {s['vault_epoch']})\n"
+            f"policy:    {policy}\n"
+            f"hosts:     {', '.join(s['policy']['hosts']) or '-'}\n"
+            f"isolation: {s['isolation']}\n"
+            f"pending:   {s['pending']} card(s), sessions: {s['sessions']}\n"
+            f"boot:      {s['boot_id']}"
+        )
+
+    emit(s, as_json, human)
+
+
+# -- keys --------------------------------------------------------------------------------
+
+
+@main.group()
+def key() -> None:
+    """Manage the keys in the vault (they never leave it)."""
+
+
+def _key_call(ctx: click.Context, name: str, passphrase_stdin: bool, **args: Any) -> Any:
+    """Through the running gateway if there is one, else on the vault file."""
+    from bastion import operator
+    from bastion.vault import Vault, VaultError, load_private_key_file
+
+    home = home_of(ctx)
+    try:
+        return operator.call(home.operator_socket, name, **args)
+    except operator.GatewayNotRunning:
+        pass
+    except operator.OperatorError as exc:
+        fail(str(exc))
+    try:
+        vault = Vault.open(home.vault)
+        if name == "key_list":
+            return [k.__dict__ for k in vault.keys()]
+        if name == "key_public":
+            return vault.key_info(args["label"]).__dict__
+        vault.unlock(read_passphrase(passphrase_stdin, False, home))
+        try:
+            if name == "key_generate":
+                return vault.generate(args["label"], args["algorithm"]).__dict__
+            if name == "key_import":
+                private = load_private_key_file(args["private_key"].encode(), None)
+                return vault.add(args["label"], private).__dict__
+            vault.remove(args["label"])
+            return {"removed": args["label"]}
+        finally:
+            vault.lock()
+    except VaultError as exc:
+        fail(str(exc))
+
+
+def _key_line(k: dict[str, Any]) -> str:
+    return f"{k['label']}\t{k['algorithm']}\t{k['fingerprint']}"
+
+
+@key.command("generate")
+@click.argument("label")
+@click.option(
+    "--type",
+    "algorithm",
+    default="ssh-ed25519",
+    show_default=True,
+    type=click.Choice(["ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa"]),
+)
+@click.option("--passphrase-stdin", is_flag=True, help="Vault passphrase (no gateway running).")
+@click.pass_context
+def key_generate(ctx: click.Context, label: str, algorithm: str, passphrase_stdin: bool) -> None:
+    """Create a key in the vault and print its public half."""
+    k = _key_call(ctx, "key_generate", passphrase_stdin, label=label, algorithm=algorithm)
+    click.echo(k["public_key"])
+
+
+@key.command("import")
+@click.argument("label")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--passphrase-stdin",
+    is_flag=True,
+    help="Vault passphrase on stdin's first line (no gateway running).",
+)
+@click.option(
+    "--key-passphrase-stdin",
+    is_flag=True,
+    help="The key file's passphrase on stdin (after the vault passphrase, if both).",
+)
+@click.pass_context
+def key_import(
+    ctx: click.Context, label: str, file: Path, passphrase_stdin: bool, key_passphrase_stdin: bool
+) -> None:
+    """Import an OpenSSH or PEM private key (ed25519, ecdsa, rsa)."""
+    from bastion.vault import KeyFilePassphraseNeeded, VaultError, load_private_key_file
+
+    data = file.read_bytes()
+    vault_pass = sys.stdin.buffer.readline() if passphrase_stdin and key_passphrase_stdin else None
+    try:
+        try:
+            private = load_private_key_file(data, None)
+        except KeyFilePassphraseNeeded:
+            if key_passphrase_stdin:
+                secret = sys.stdin.buffer.readline().rstrip(b"\r\n")
+            elif sys.stdin.isatty():
+                secret = getpass.getpass(f"Passphrase for {file}: ").encode()
+            else:
+                fail(f"{file} is encrypted; give its passphrase with --key-passphrase-stdin")
+            private = load_private_key_file(data, secret)
+    except VaultError as exc:
+        fail(f"{file}: {exc}; nothing was imported")
+    text = private.export_private_key("openssh").decode()
+    if vault_pass is not None:  # put the vault passphrase back for _key_call to read
+        sys.stdin = _LineStdin(vault_pass)  # type: ignore[assignment]
+    k = _key_call(ctx, "key_import", passphrase_stdin, label=label, private_key=text)
+    click.echo(f"imported {_key_line(k)}")
+
+
+class _LineStdin:
+    def __init__(self, line: bytes) -> None:
+        import io
+
+        self.buffer = io.BytesIO(line)
+
+    def isatty(self) -> bool:
+        return False
+
+
+@key.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def key_list(ctx: click.Context, as_json: bool) -> None:
+    """Labels, algorithms and fingerprints (never key material)."""
+    keys = _key_call(ctx, "key_list", False)
+    emit(keys, as_json, lambda ks: "\n".join(_key_line(k) for k in ks) or "(no keys)")
+
+
+@key.command("public")
+@click.argument("label")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
+    """Print a key's public half, to install in a target's authorized_keys."""
+    k = _key_call(ctx, "key_public", False, label=label)
+    emit(k, as_json, lambda k: k["public_key"])
+
+
+@key.command("remove")
+@click.argument("label")
+@click.option("--passphrase-stdin", is_flag=True, help="Vault passphrase (no gateway running).")
+@click.pass_context
+def key_remove(ctx: click.Context, label: str, passphrase_stdin: bool) -> None:
+    """Delete a key from the vault."""
+    _key_call(ctx, "key_remove", passphrase_stdin, label=label)
+    click.echo(f"removed {label}")
+
+
+# -- targets and agents --------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("host")
+@click.option("--port", type=click.IntRange(1, 65535), default=22, show_default=True)
+@click.option("--timeout", type=float, default=10.0, show_default=True)
+def hostkey(host: str, port: int, timeout: float) -> None:
+    """Fetch HOST's SSH host key, to pin in a policy. Trust on first use:
+    compare the fingerprint with one obtained out of band."""
+    import asyncio
+
+    import asyncssh
+
+    async def fetch() -> asyncssh.SSHKey | None:
+        return await asyncio.wait_for(asyncssh.get_server_host_key(host, port), timeout)
+
+    try:
+        k = asyncio.run(fetch())
+    except (OSError, TimeoutError, asyncssh.Error) as exc:
+        fail(f"could not fetch the host key of {host}:{port}: {exc}")
+    if k is None:
+        fail(f"{host}:{port} offered no host key")
+    line = k.export_public_key().decode().strip().split()
+    click.echo(
+        f"# {host}:{port} {k.get_fingerprint('sha256')} -- trust on first use: "
+        "verify this fingerprint out of band before pinning it"
+    )
+    click.echo(f'host_key = "{line[0]} {line[1]}"')
+
+
+@main.command("ssh-config")
+@click.option("--policies", type=click.Path(path_type=Path), default=None)
+@click.option("--agent-socket", type=click.Path(path_type=Path), default=None)
+@click.pass_context
+def ssh_config(ctx: click.Context, policies: Path | None, agent_socket: Path | None) -> None:
+    """Print an ssh_config for `ssh -F FILE HOST 'COMMAND'`, one entry per policy host."""
+    from bastion import proxy
+    from bastion.policy import PolicyError, load_policy_dir
+
+    home = home_of(ctx)
+    try:
+        policy = load_policy_dir((policies or home.policies).absolute())
+    except PolicyError as exc:
+        fail(f"the policy cannot be loaded: {exc}")
+    sock = (agent_socket or home.agent_socket).absolute()
+    proxy_cmd = (
+        " ".join(
+            shlex.quote(p)
+            for p in (
+                sys.executable,
+                "-I",
+                "-S",
+                str(Path(proxy.__file__).absolute()),
+                "--socket",
+                str(sock),
+            )
+        )
+        + " %h %p %r"
+    )
+    lines = [
+        "# Generated by `bastion ssh-config`. Use: ssh -F THIS_FILE [USER@]HOST 'COMMAND'",
+        "# The agent holds no key: bastion decides, connects and relays.",
+    ]
+    for alias in sorted(policy.hosts):
+        accounts = policy.hosts[alias].accounts
+        if len(accounts) == 1:
+            lines += [f"Host {alias}", f"    User {accounts[0].user}"]
+    if policy.hosts:
+        lines += [
+            "Host " + " ".join(sorted(policy.hosts)),
+            f"    ProxyCommand {proxy_cmd}",
+            "    ProxyUseFdpass yes",
+            f"    HostKeyAlias {HOST_KEY_ALIAS}",
+            f"    UserKnownHostsFile {home.known_hosts.absolute()}",
+            "    GlobalKnownHostsFile /dev/null",
+            "    StrictHostKeyChecking yes",
+            "    UpdateHostKeys no",
+            "    CheckHostIP no",
+            "    BatchMode yes",
+            "    IdentitiesOnly yes",
+            "    IdentityAgent none",
+            "    PubkeyAuthentication no",
+            "    PasswordAuthentication no",
+            "    KbdInteractiveAuthentication no",
+            "    GSSAPIAuthentication no",
+            "    ForwardAgent no",
+            "    ForwardX11 no",
+            "    ClearAllForwardings yes",
+            "    RequestTTY no",
+            "    ControlMaster no",
+            "    ControlPath none",
+            "    ServerAliveInterval 30",
+        ]
+    else:
+        lines.append("# (the policy names no hosts yet)")
+    click.echo("\n".join(lines))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def proxy(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """The ProxyCommand helper: bastion proxy [--socket PATH] HOST PORT USER."""
+    from bastion import proxy as proxy_mod
+
+    argv = list(args)
+    if "--socket" not in argv:
+        argv = ["--socket", str(home_of(ctx).agent_socket), *argv]
+    sys.exit(proxy_mod.main(argv))
+
+
+# -- the operator ---------------------------------------------------------------------------
+
+
+def _card_text(c: dict[str, Any]) -> str:
+    s = c["subject"]
+    lines = [
+        f"{c['id']}  {c['kind']} card  {c['user']}@{c['host']} "
+        f"({c['address']}:{c['port']}, key {c['credential']})"
+    ]
+    if c.get("reason"):
+        lines.append(f"    new approval needed: {c['reason']}")
+    lines.append(f"    asks:  pid {s['pid']} {s['exe']} (uid {s['uid']})")
+    lines.append(f"    exe sha256: {s['exe_sha256']}")
+    if c.get("conversation"):
+        lines.append(f"    conversation (not authority): {c['conversation']}")
+    if c.get("command") is not None:
+        lines.append(f"    command: {c['command']}")
+        lines.append(f"    sha256:  {c['command_sha256']}")
+    lines.append(f"    decide:  bastion decide {c['id']} approve|deny")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0, 600),
+    default=0.0,
+    help="Wait up to this many seconds for a card to arrive.",
+)
+@click.pass_context
+def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
+    """Cards waiting for an operator's answer."""
+    cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
+    emit(cards, as_json, lambda cs: "\n\n".join(_card_text(c) for c in cs) or "(no pending cards)")
+
+
+@main.command()
+@click.argument("card_id")
+@click.argument("answer", type=click.Choice(["approve", "deny"]))
+@click.pass_context
+def decide(ctx: click.Context, card_id: str, answer: str) -> None:
+    """Answer one card."""
+    op(ctx, "decide", card=card_id, approve=answer == "approve")
+    click.echo(f"{card_id}: {'approved' if answer == 'approve' else 'denied'}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def sessions(ctx: click.Context, as_json: bool) -> None:
+    """Live session approvals."""
+    rows = op(ctx, "sessions")
+    emit(
+        rows,
+        as_json,
+        lambda rs: (
+            "\n".join(
+                f"{r['id']}  {r['user']}@{r['host']}  pid {r['subject']['pid']} {r['subject']['exe']}"
+                for r in rs
+            )
+            or "(no live sessions)"
+        ),
+    )
+
+
+@main.command()
+@click.argument("session_id")
+@click.pass_context
+def revoke(ctx: click.Context, session_id: str) -> None:
+    """End one session approval now."""
+    op(ctx, "revoke", session=session_id)
+    click.echo(f"revoked {session_id}")
+
+
+@main.command()
+@click.option("--keep", is_flag=True, help="Keep the throwaway directory for inspection.")
+def demo(keep: bool) -> None:
+    """Throwaway sshd + bastion + one agent command, end to end."""
+    from bastion.demo import run_demo
+
+    sys.exit(run_demo(keep=keep))
+
+
+if __name__ == "__main__":
+    main()

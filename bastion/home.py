@@ -1,0 +1,69 @@
+"""The layout of $BASTION_HOME, named in one place.
+
+Everything secret or authoritative lives here with owner-only permissions:
+the vault, the gateway's own SSH host key, the policies, the journal. Only
+the agent socket is meant to be reached by agents.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def default_home() -> Path:
+    env = os.environ.get("BASTION_HOME")
+    if env:
+        return Path(env).expanduser().absolute()
+    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share")
+    return Path(data).absolute() / "bastion"
+
+
+@dataclass(frozen=True)
+class Home:
+    root: Path
+
+    @property
+    def vault(self) -> Path:
+        return self.root / "vault.json"
+
+    @property
+    def host_key(self) -> Path:
+        """The gateway's own SSH host key, shown to agents' ssh clients. It
+        lives outside the vault: a locked gateway must still be able to say
+        'locked' over SSH."""
+        return self.root / "gateway_host_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        """The one line agents' ssh trusts, used with HostKeyAlias."""
+        return self.root / "known_hosts"
+
+    @property
+    def policies(self) -> Path:
+        return self.root / "policies"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.run / "agent.sock"
+
+    @property
+    def operator_socket(self) -> Path:
+        return self.run / "operator.sock"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "journal"
+
+    def exists(self) -> bool:
+        return self.vault.exists()
+
+    def make_dirs(self) -> None:
+        for d in (self.root, self.policies, self.run):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)

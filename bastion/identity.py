@@ -1,0 +1,283 @@
+"""Who is asking: peer credentials, the process chain, the subject.
+
+Authority is bound to a live process, never to anything a client says about
+itself. The kernel tells us the peer of the agent socket (SO_PEERCRED, pinned
+with a pidfd where SO_PEERPIDFD exists); /proc tells us its ancestors. The
+*subject* -- the process a person approves -- is the first ancestor above the
+`ssh` client that is not a shell or a wrapper (DESIGN.md §2).
+
+Everything read here can race with the processes it describes, so every
+ancestor's start time is read again after the walk: a pid that was reused
+while we looked is caught, and the request is refused rather than
+mis-attributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import select
+import socket
+import struct
+from dataclasses import dataclass, field
+
+import psutil
+
+DEFAULT_WRAPPERS = frozenset(
+    {"sh", "bash", "dash", "zsh", "fish", "env", "timeout", "nice", "nohup"}
+)
+# Not yet in Python's socket module; value from <asm-generic/socket.h>.
+SO_PEERPIDFD = 77
+_MAX_CHAIN = 64
+
+
+class IdentityError(Exception):
+    """The peer could not be identified; the request must not proceed."""
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process in the chain, as read from /proc at one moment."""
+
+    pid: int
+    ppid: int
+    start_time: float
+    uid: int
+    exe: str
+    exe_sha256: str | None
+    name: str
+    cmdline: tuple[str, ...]
+
+    @property
+    def exe_deleted(self) -> bool:
+        return self.exe.endswith(" (deleted)")
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The process a person approves: identity of one live process in one
+    gateway lifetime. The nonce makes two sightings of the same
+    (pid, start_time) in two gateway lifetimes two different subjects."""
+
+    pid: int
+    start_time: float
+    exe: str
+    exe_sha256: str | None
+    uid: int
+    nonce: str
+
+    @property
+    def key(self) -> tuple[int, float, str]:
+        return (self.pid, self.start_time, self.nonce)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "exe": self.exe,
+            "exe_sha256": self.exe_sha256,
+            "uid": self.uid,
+        }
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The connecting process, its chain up to the subject, and the subject."""
+
+    pid: int
+    uid: int
+    gid: int
+    chain: tuple[ProcessInfo, ...]  # peer first, subject last
+    subject: Subject
+
+
+@dataclass
+class ExeHasher:
+    """sha256 of executables, cached by (device, inode, mtime, size): hashing
+    a 5 MB interpreter on every request would dominate the hot path."""
+
+    _cache: dict[tuple[int, int, int, int], str] = field(default_factory=dict)
+
+    def digest(self, pid: int) -> str | None:
+        path = f"/proc/{pid}/exe"
+        try:
+            st = os.stat(path)
+            key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError:
+            return None  # kernel thread, exited, or not ours to read
+        value = h.hexdigest()
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[key] = value
+        return value
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, as the kernel saw it."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A pidfd for the peer, where the kernel offers one (Linux >= 6.5)."""
+    try:
+        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return None
+    return fd if fd >= 0 else None
+
+
+def pidfd_exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return bool(readable)
+
+
+class Resolver:
+    """Turns a socket peer into a Subject; owns the launch nonces of this
+    gateway lifetime."""
+
+    def __init__(self, wrappers: frozenset[str] = DEFAULT_WRAPPERS) -> None:
+        self.wrappers = wrappers
+        self.hasher = ExeHasher()
+        self._nonces: dict[tuple[int, float], str] = {}
+
+    def read_process(self, pid: int) -> ProcessInfo:
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                start = p.create_time()
+                ppid = p.ppid()
+                uid = p.uids().real
+                name = p.name()
+                cmdline = tuple(p.cmdline())
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+            except OSError:
+                exe = ""
+        except psutil.Error as exc:
+            raise IdentityError(f"process {pid} vanished while being identified") from exc
+        return ProcessInfo(
+            pid=pid,
+            ppid=ppid,
+            start_time=start,
+            uid=uid,
+            exe=exe,
+            exe_sha256=self.hasher.digest(pid) if exe else None,
+            name=name,
+            cmdline=cmdline,
+        )
+
+    def chain(self, pid: int) -> list[ProcessInfo]:
+        """The peer and all its ancestors up to (not including) pid 0."""
+        out: list[ProcessInfo] = []
+        while pid > 0 and len(out) < _MAX_CHAIN:
+            info = self.read_process(pid)
+            out.append(info)
+            pid = info.ppid
+        return out
+
+    def _is_wrapper(self, info: ProcessInfo) -> bool:
+        return _basename(info) in self.wrappers or info.name in self.wrappers
+
+    def subject_index(self, chain: list[ProcessInfo]) -> int:
+        """Where the subject stands in the chain: above `ssh`, past wrappers."""
+        start = 0
+        for i, info in enumerate(chain):
+            if _basename(info) == "ssh":
+                start = i + 1
+                break
+        for i in range(start, len(chain)):
+            if not self._is_wrapper(chain[i]):
+                return i
+        raise IdentityError("no process above the ssh client could be identified")
+
+    def nonce_for(self, pid: int, start_time: float) -> str:
+        key = (pid, start_time)
+        nonce = self._nonces.get(key)
+        if nonce is None:
+            nonce = secrets.token_hex(8)
+            self._nonces[key] = nonce
+        return nonce
+
+    def forget(self, pid: int, start_time: float) -> None:
+        self._nonces.pop((pid, start_time), None)
+
+    def identify(self, sock: socket.socket) -> Peer:
+        """Read who is on the other end of `sock`, or refuse."""
+        pid, uid, gid = peer_credentials(sock)
+        if pid <= 0:
+            raise IdentityError("the kernel did not report a peer process")
+        pidfd = peer_pidfd(sock)
+        try:
+            full = self.chain(pid)
+            if not full or full[0].uid != uid:
+                raise IdentityError("the peer process changed while being identified")
+            idx = self.subject_index(full)
+            chain = full[: idx + 1]
+            # Re-read after the walk: a pid reused meanwhile shows a new start time.
+            for info in chain:
+                if _start_time(info.pid) != info.start_time:
+                    raise IdentityError(f"process {info.pid} changed while being identified")
+            if pidfd is not None and pidfd_exited(pidfd):
+                raise IdentityError("the connecting process exited while being identified")
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        s = chain[-1]
+        if s.pid == 1:
+            raise IdentityError(
+                "the ssh client has no parent process left to approve (orphaned under pid 1); "
+                "run ssh from the agent process itself"
+            )
+        subject = Subject(
+            pid=s.pid,
+            start_time=s.start_time,
+            exe=s.exe,
+            exe_sha256=s.exe_sha256,
+            uid=s.uid,
+            nonce=self.nonce_for(s.pid, s.start_time),
+        )
+        return Peer(pid=pid, uid=uid, gid=gid, chain=tuple(chain), subject=subject)
+
+
+def _basename(info: ProcessInfo) -> str:
+    if info.exe:
+        return os.path.basename(info.exe.removesuffix(" (deleted)"))
+    return info.name
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def alive(pid: int, start_time: float) -> bool:
+    """Is this exact process (not a reuse of its pid) still running?"""
+    return _start_time(pid) == start_time
+
+
+def descends_from(pid: int, ancestors: set[tuple[int, float]]) -> bool:
+    """Does `pid` (or any ancestor of it) match one of (pid, start_time)?
+
+    Used to refuse operator requests coming from an agent's own process tree.
+    """
+    with contextlib.suppress(psutil.Error):
+        p: psutil.Process | None = psutil.Process(pid)
+        while p is not None and p.pid > 0:
+            if (p.pid, p.create_time()) in ancestors:
+                return True
+            p = p.parent()
+    return False

@@ -1,0 +1,124 @@
+"""The ProxyCommand helper: `bastion proxy HOST PORT USER`.
+
+Runs once per agent ssh call, so it imports only the standard library and
+exits as soon as it can. It connects to the daemon's agent socket, names the
+target, and waits for the daemon to say it has read who is connecting -- the
+daemon identifies this very process through SO_PEERCRED, so it must still be
+alive while /proc is read. Then it hands the connected socket to ssh
+(ProxyUseFdpass) and exits; ssh speaks SSH to the daemon directly, with no
+byte relayed through Python. Without fd passing it relays stdin/stdout.
+
+The target given here is only a name: address and port come from the
+policy, never from the client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import stat
+import sys
+
+PROTOCOL = b"BASTION/1 "
+MAX_HEADER = 4096
+REPLY_TIMEOUT = 30.0
+
+
+def fail(message: str) -> int:
+    """Tell the agent, in the §4 shape, why no SSH session could even start."""
+    error = {
+        "code": "INTERNAL",
+        "message": message + " Nothing was sent to the target.",
+        "request_id": None,
+        "retryable": False,
+    }
+    sys.stderr.write(json.dumps({"ok": False, "error": error}) + "\n")
+    return 70
+
+
+def read_reply(sock: socket.socket) -> bytes:
+    sock.settimeout(REPLY_TIMEOUT)
+    data = b""
+    while b"\n" not in data and len(data) < MAX_HEADER:
+        chunk = sock.recv(MAX_HEADER)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def relay(sock: socket.socket) -> int:
+    """Copy bytes both ways until the daemon closes (no ProxyUseFdpass)."""
+    sock.setblocking(True)
+    sock.settimeout(None)
+    stdin_open = True
+    while True:
+        watch = [sock, 0] if stdin_open else [sock]
+        readable, _, _ = select.select(watch, [], [])
+        if 0 in readable:
+            data = os.read(0, 65536)
+            if data:
+                sock.sendall(data)
+            else:
+                stdin_open = False
+                sock.shutdown(socket.SHUT_WR)
+        if sock in readable:
+            data = sock.recv(65536)
+            if not data:
+                return 0
+            view = memoryview(data)
+            while view:
+                view = view[os.write(1, view) :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    sock_path = os.environ.get("BASTION_AGENT_SOCKET", "")
+    if len(args) >= 2 and args[0] == "--socket":
+        sock_path = args[1]
+        args = args[2:]
+    if len(args) != 3 or not sock_path:
+        sys.stderr.write("usage: bastion proxy [--socket PATH] HOST PORT USER\n")
+        return 2
+    host, port, user = args
+    header = PROTOCOL + json.dumps({"host": host, "port": port, "user": user}).encode() + b"\n"
+    if len(header) > MAX_HEADER:
+        return fail("The host or user name is too long.")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(sock_path)
+        sock.sendall(header)
+        reply = read_reply(sock)
+    except FileNotFoundError:
+        return fail(
+            f"The bastion gateway is not running (no socket at {sock_path}); "
+            "ask the operator to start `bastion daemon`."
+        )
+    except ConnectionRefusedError:
+        return fail(
+            f"The bastion gateway is not accepting connections at {sock_path}; "
+            "ask the operator to start `bastion daemon`."
+        )
+    except OSError as exc:
+        return fail(f"Could not talk to the bastion gateway at {sock_path}: {exc.strerror}.")
+    if not reply.startswith(b"OK"):
+        text = reply.decode("utf-8", "replace").strip().removeprefix("ERR").strip()
+        return fail(f"The bastion gateway refused the connection: {text or 'no reply'}.")
+    if stat.S_ISSOCK(os.fstat(1).st_mode):
+        # ProxyUseFdpass (ssh gives us a socketpair, not pipes): hand ssh the
+        # connected socket itself and get out of the way.
+        out = socket.socket(fileno=1)
+        try:
+            socket.send_fds(out, [b"\0"], [sock.fileno()])
+        except OSError as exc:
+            return fail(f"Could not pass the connection to ssh: {exc.strerror}.")
+        finally:
+            out.detach()
+        return 0
+    return relay(sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

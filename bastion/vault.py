@@ -1,0 +1,488 @@
+"""The encrypted key store: the only place private keys exist at rest (DESIGN.md §2, §7).
+
+One JSON file. The passphrase is stretched with scrypt; each private key is its own
+ChaCha20-Poly1305 record whose associated data binds the format tag, label and public
+metadata, so a record cannot be moved to another label or paired with another public key.
+Public metadata stays plaintext so `key list` / `key public` work while locked.
+
+The persisted `epoch` rises on every unlock and lock and never goes back: approvals are
+bound to it, so any change of vault state voids them. The daemon and an offline CLI may
+both write, so every write takes a flock on `<vault>.lock` and re-reads the file first.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import asyncssh
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+
+log = logging.getLogger(__name__)
+
+FORMAT = "bastion-vault-1"
+SCRYPT_N = 2**15  # new vaults only; a module constant so tests can make it cheap
+SCRYPT_R, SCRYPT_P = 8, 1
+LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+GENERATE: dict[str, dict[str, int]] = {
+    "ssh-ed25519": {},
+    "ecdsa-sha2-nistp256": {},
+    "ssh-rsa": {"key_size": 3072},
+}
+IMPORTABLE = frozenset(GENERATE) | {"ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521"}
+MIN_RSA_BITS = 2048
+MAX_KEY_FILE = 1 << 20
+_VERIFIER = b"bastion vault passphrase verifier"
+
+
+class VaultError(Exception):
+    """A vault failure a person can act on; never carries secret bytes."""
+
+
+class WrongPassphrase(VaultError):
+    pass
+
+
+class VaultLocked(VaultError):
+    pass
+
+
+class KeyFilePassphraseNeeded(VaultError):
+    pass
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    label: str
+    algorithm: str
+    public_key: str
+    fingerprint: str
+    created_at: str
+
+
+@dataclass(frozen=True)
+class _Record:
+    info: KeyInfo
+    nonce: bytes
+    ciphertext: bytes
+
+
+@dataclass(frozen=True)
+class _Doc:
+    epoch: int
+    salt: bytes
+    n: int
+    r: int
+    p: int
+    verifier_nonce: bytes
+    verifier: bytes
+    records: tuple[_Record, ...]
+
+    def find(self, label: str) -> _Record | None:
+        return next((rec for rec in self.records if rec.info.label == label), None)
+
+
+def _check_label(label: str) -> None:
+    if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
+        raise VaultError(
+            f"invalid key label {label!r}: use 1-64 characters from A-Z a-z 0-9 . _ -"
+            ", starting with a letter or digit"
+        )
+
+
+def _check_key_type(key: asyncssh.SSHKey) -> str:
+    """Refuse key types the dispatcher cannot use safely (DSA, security-key handles, weak RSA)."""
+    alg = key.get_algorithm()
+    if alg not in IMPORTABLE:
+        raise VaultError(f"unsupported key type {alg}: use ed25519, ecdsa or rsa")
+    if alg == "ssh-rsa":
+        bits = load_ssh_public_key(key.export_public_key()).key_size
+        if bits < MIN_RSA_BITS:
+            raise VaultError(f"RSA key of {bits} bits is too weak: at least {MIN_RSA_BITS} needed")
+    return alg
+
+
+def _key_info(label: str, public_key: str, created_at: str) -> KeyInfo:
+    pub = asyncssh.import_public_key(public_key)
+    return KeyInfo(
+        label, pub.get_algorithm(), public_key, pub.get_fingerprint("sha256"), created_at
+    )
+
+
+def _record_ad(info: KeyInfo) -> bytes:
+    return json.dumps(
+        [FORMAT, "key", info.label, info.algorithm, info.public_key, info.created_at]
+    ).encode()
+
+
+def _verifier_ad(salt: bytes, n: int, r: int, p: int) -> bytes:
+    return json.dumps([FORMAT, "verifier", salt.hex(), n, r, p]).encode()
+
+
+def _derive(passphrase: bytes, salt: bytes, n: int, r: int, p: int) -> bytearray:
+    if not isinstance(passphrase, bytes | bytearray):
+        raise TypeError("passphrase must be bytes")
+    return bytearray(Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(bytes(passphrase)))
+
+
+def _matches(key: bytearray, doc: _Doc) -> bool:
+    ad = _verifier_ad(doc.salt, doc.n, doc.r, doc.p)
+    try:
+        return ChaCha20Poly1305(key).decrypt(doc.verifier_nonce, doc.verifier, ad) == _VERIFIER
+    except InvalidTag:
+        return False
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _parse(path: Path, raw: bytes) -> _Doc:
+    """Validate everything up front, so later code never meets a half-formed vault."""
+    try:
+        obj = json.loads(raw)
+        if obj.get("format") != FORMAT:
+            raise ValueError("unknown format")
+        kdf, ver, epoch = obj["kdf"], obj["verifier"], obj["epoch"]
+        n, r, p = kdf["n"], kdf["r"], kdf["p"]
+        ints = (epoch, n, r, p)
+        if kdf["name"] != "scrypt" or any(type(v) is not int for v in ints) or epoch < 0:
+            raise ValueError("bad header")
+        if n < 2 or n & (n - 1) or not 1 <= r <= 16 or n * r > 2**21 or not 1 <= p <= 4:
+            raise ValueError("kdf parameters out of range")  # a hostile file must not hang us
+        records = []
+        for item in obj["keys"]:
+            fields = ("label", "algorithm", "public_key", "created_at", "nonce", "ciphertext")
+            if not all(isinstance(item[f], str) for f in fields):
+                raise ValueError("bad record")
+            _check_label(item["label"])
+            info = _key_info(item["label"], item["public_key"], item["created_at"])
+            if info.algorithm != item["algorithm"] or info.algorithm not in IMPORTABLE:
+                raise ValueError("algorithm mismatch")
+            rec = _Record(info, _unb64(item["nonce"]), _unb64(item["ciphertext"]))
+            if len(rec.nonce) != 12 or any(o.info.label == info.label for o in records):
+                raise ValueError("bad record")
+            records.append(rec)
+        salt, vnonce, vct = (_unb64(x) for x in (kdf["salt"], ver["nonce"], ver["ciphertext"]))
+        doc = _Doc(epoch, salt, n, r, p, vnonce, vct, tuple(records))
+        if len(doc.salt) != 16 or len(doc.verifier_nonce) != 12:
+            raise ValueError("bad salt or nonce")
+        return doc
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, VaultError) as e:
+        reason = type(e).__name__ if isinstance(e, KeyError | TypeError) else str(e)[:80]
+        raise VaultError(
+            f"vault file {path} is corrupt or not a bastion vault ({reason}); "
+            "restore it from a backup, or move it aside and run `bastion init`"
+        ) from None
+
+
+def _serialize(doc: _Doc) -> bytes:
+    keys = [
+        {
+            "label": rec.info.label,
+            "algorithm": rec.info.algorithm,
+            "public_key": rec.info.public_key,
+            "created_at": rec.info.created_at,
+            "nonce": _b64(rec.nonce),
+            "ciphertext": _b64(rec.ciphertext),
+        }
+        for rec in doc.records
+    ]
+    obj = {
+        "format": FORMAT,
+        "epoch": doc.epoch,
+        "kdf": {"name": "scrypt", "n": doc.n, "r": doc.r, "p": doc.p, "salt": _b64(doc.salt)},
+        "verifier": {"nonce": _b64(doc.verifier_nonce), "ciphertext": _b64(doc.verifier)},
+        "keys": keys,
+    }
+    return json.dumps(obj, indent=2).encode() + b"\n"
+
+
+def _read(path: Path) -> _Doc:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise VaultError(f"no vault at {path}; run `bastion init` to create one") from None
+    except OSError as e:
+        raise VaultError(f"cannot read vault {path}: {e.strerror}") from None
+    return _parse(path, raw)
+
+
+def _write(path: Path, doc: _Doc) -> None:
+    """Atomic replace: a crash leaves either the old or the new vault, never a torn one."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(_serialize(doc))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise VaultError(f"cannot write vault {path}: {e.strerror}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    try:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise VaultError(f"cannot lock vault {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+class Vault:
+    """A handle on the vault file; unlocked means it holds the derived key in memory."""
+
+    def __init__(self, path: Path, epoch: int) -> None:
+        self.path = path
+        self._epoch = epoch
+        self._key: bytearray | None = None
+        self._cache: dict[tuple[str, str], asyncssh.SSHKey] = {}
+        self._mutex = threading.RLock()  # the daemon may call us from worker threads
+
+    def __repr__(self) -> str:
+        return f"Vault(path={str(self.path)!r}, locked={self.locked}, epoch={self._epoch})"
+
+    @classmethod
+    def create(cls, path: Path, passphrase: bytes) -> Vault:
+        path = Path(path)
+        if not passphrase:
+            raise VaultError("the vault passphrase must not be empty")
+        salt, nonce = os.urandom(16), os.urandom(12)
+        key = _derive(passphrase, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
+        verifier = ChaCha20Poly1305(key).encrypt(
+            nonce, _VERIFIER, _verifier_ad(salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
+        )
+        doc = _Doc(1, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P, nonce, verifier, ())
+        with _flock(path):
+            if path.exists():
+                raise VaultError(f"a vault already exists at {path}; refusing to overwrite it")
+            _write(path, doc)
+        vault = cls(path, doc.epoch)
+        vault._key = key
+        return vault
+
+    @classmethod
+    def open(cls, path: Path) -> Vault:
+        path = Path(path)
+        return cls(path, _read(path).epoch)
+
+    @property
+    def locked(self) -> bool:
+        return self._key is None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _load(self) -> _Doc:
+        doc = _read(self.path)
+        with self._mutex:  # never step back, even if the file was rolled back
+            self._epoch = max(self._epoch, doc.epoch)
+        return doc
+
+    def _bump(self, doc: _Doc) -> int:
+        """Write epoch+1 (above anything this handle saw) and adopt it."""
+        new = max(doc.epoch, self._epoch) + 1
+        _write(self.path, replace(doc, epoch=new))
+        self._epoch = new
+        return new
+
+    def _wipe(self) -> None:
+        if self._key is not None:
+            self._key[:] = bytes(len(self._key))
+        self._key = None
+        self._cache.clear()
+
+    def _unlocked_key(self, doc: _Doc | None = None) -> bytearray:
+        if self._key is None:
+            raise VaultLocked(f"the vault {self.path} is locked; run `bastion unlock` first")
+        if doc is not None and not _matches(self._key, doc):
+            raise VaultError(
+                f"the vault {self.path} was re-created or re-keyed by another "
+                "process; unlock it again"
+            )
+        return self._key
+
+    def unlock(self, passphrase: bytes) -> int:
+        with self._mutex, _flock(self.path):
+            doc = self._load()
+            key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
+            if not _matches(key, doc):
+                key[:] = bytes(len(key))
+                raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
+            try:
+                new = self._bump(doc)
+            except VaultError:
+                key[:] = bytes(len(key))
+                raise
+            self._wipe()
+            self._key = key
+            return new
+
+    def lock(self) -> int:
+        """Always locks in memory; a failure to persist the epoch is logged, not raised,
+        because a caller's follow-up (withdrawing cards, ending sessions) must still run."""
+        with self._mutex:
+            if self._key is None:
+                return self._epoch
+            self._wipe()
+            try:
+                with _flock(self.path):
+                    return self._bump(self._load())
+            except VaultError as e:
+                self._epoch += 1
+                log.warning("vault locked, but its epoch could not be saved: %s", e)
+                return self._epoch
+
+    def keys(self) -> list[KeyInfo]:
+        return [rec.info for rec in self._load().records]
+
+    def key_info(self, label: str) -> KeyInfo:
+        return self._record(self._load(), label).info
+
+    def _record(self, doc: _Doc, label: str) -> _Record:
+        _check_label(label)
+        rec = doc.find(label)
+        if rec is None:
+            raise VaultError(f"no key labelled {label!r} in the vault {self.path}")
+        return rec
+
+    def generate(self, label: str, algorithm: str = "ssh-ed25519") -> KeyInfo:
+        _check_label(label)
+        if algorithm not in GENERATE:
+            raise VaultError(
+                f"cannot generate {algorithm!r} keys; choose one of " + ", ".join(GENERATE)
+            )
+        self._unlocked_key()
+        if self._load().find(label) is not None:  # fail before a slow RSA generation
+            raise VaultError(f"a key labelled {label!r} already exists in the vault {self.path}")
+        return self._store(label, asyncssh.generate_private_key(algorithm, **GENERATE[algorithm]))
+
+    def add(self, label: str, private_key: asyncssh.SSHKey) -> KeyInfo:
+        _check_label(label)
+        _check_key_type(private_key)
+        return self._store(label, private_key)
+
+    def _store(self, label: str, private_key: asyncssh.SSHKey) -> KeyInfo:
+        key = asyncssh.import_private_key(private_key.export_private_key("openssh"))  # a copy
+        key.set_comment(f"bastion:{label}")
+        public = key.export_public_key("openssh").decode().strip()
+        now = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+        info = _key_info(label, public, now)
+        nonce = os.urandom(12)
+        with self._mutex, _flock(self.path):
+            doc = self._load()
+            aead = ChaCha20Poly1305(self._unlocked_key(doc))
+            if doc.find(label) is not None:
+                raise VaultError(
+                    f"a key labelled {label!r} already exists in the vault {self.path}"
+                )
+            sealed = aead.encrypt(nonce, key.export_private_key("openssh"), _record_ad(info))
+            _write(self.path, replace(doc, records=(*doc.records, _Record(info, nonce, sealed))))
+        return info
+
+    def remove(self, label: str) -> None:
+        """Needs the vault unlocked: destroying a key is the passphrase holder's decision."""
+        with self._mutex, _flock(self.path):
+            doc = self._load()
+            rec = self._record(doc, label)
+            self._unlocked_key(doc)
+            _write(self.path, replace(doc, records=tuple(r for r in doc.records if r is not rec)))
+            self._cache.pop((label, rec.info.public_key), None)
+
+    def private_key(self, label: str) -> asyncssh.SSHKey:
+        with self._mutex:
+            self._unlocked_key()
+            doc = self._load()
+            rec = self._record(doc, label)
+            cached = self._cache.get((label, rec.info.public_key))
+            if cached is not None:
+                return cached
+            try:
+                plain = ChaCha20Poly1305(self._unlocked_key()).decrypt(
+                    rec.nonce, rec.ciphertext, _record_ad(rec.info)
+                )
+            except InvalidTag:
+                self._unlocked_key(doc)  # a re-keyed vault is not tampering: say so
+                raise VaultError(
+                    f"key {label!r} in the vault {self.path}: record tampered "
+                    "or corrupt (authentication failed)"
+                ) from None
+            key = asyncssh.import_private_key(plain)
+            if key.export_public_key("openssh").decode().strip() != rec.info.public_key:
+                raise VaultError(
+                    f"key {label!r} in the vault {self.path}: record tampered "
+                    "(private key does not match its public key)"
+                )
+            self._cache[(label, rec.info.public_key)] = key
+            return key
+
+    def verify_passphrase(self, passphrase: bytes) -> bool:
+        doc = self._load()
+        key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
+        try:
+            return _matches(key, doc)
+        finally:
+            key[:] = bytes(len(key))
+
+
+def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSHKey:
+    """Import a user's key file; errors are fixed phrases so no file bytes leak into them."""
+    if len(data) > MAX_KEY_FILE:
+        raise VaultError("not a private key: file too large")
+    try:
+        key = asyncssh.import_private_key(data, passphrase)
+    except Exception as e:  # asyncssh parsers raise many types; never chain (may hold bytes)
+        msg = str(e) if isinstance(e, ValueError) else ""
+        if msg.startswith("Passphrase must be specified"):
+            raise KeyFilePassphraseNeeded(
+                "the key file is encrypted; a passphrase is needed"
+            ) from None
+        if "requires bcrypt" in msg:  # asyncssh needs bcrypt for OpenSSH's own encryption
+            raise VaultError(
+                "cannot decrypt an OpenSSH-encrypted key file: the Python "
+                "package bcrypt is not installed"
+            ) from None
+        if msg.startswith(("Incorrect passphrase", "Unable to decrypt")):
+            raise VaultError("wrong passphrase for key file") from None
+        head = msg.split(":")[0].strip()
+        reason = head if re.fullmatch(r"[A-Za-z0-9#, ]{1,60}", head) else "malformed key data"
+        raise VaultError(f"not a private key: {reason}") from None
+    _check_key_type(key)
+    return key
