@@ -467,34 +467,33 @@ def ssh_config(ctx: click.Context, policies: Path | None, agent_socket: Path | N
         accounts = policy.hosts[alias].accounts
         if len(accounts) == 1:
             lines += [f"Host {alias}", f"    User {accounts[0].user}"]
-    if policy.hosts:
-        lines += [
-            "Host " + " ".join(sorted(policy.hosts)),
-            f"    ProxyCommand {proxy_cmd}",
-            "    ProxyUseFdpass yes",
-            f"    HostKeyAlias {HOST_KEY_ALIAS}",
-            f"    UserKnownHostsFile {home.known_hosts.absolute()}",
-            "    GlobalKnownHostsFile /dev/null",
-            "    StrictHostKeyChecking yes",
-            "    UpdateHostKeys no",
-            "    CheckHostIP no",
-            "    BatchMode yes",
-            "    IdentitiesOnly yes",
-            "    IdentityAgent none",
-            "    PubkeyAuthentication no",
-            "    PasswordAuthentication no",
-            "    KbdInteractiveAuthentication no",
-            "    GSSAPIAuthentication no",
-            "    ForwardAgent no",
-            "    ForwardX11 no",
-            "    ClearAllForwardings yes",
-            "    RequestTTY no",
-            "    ControlMaster no",
-            "    ControlPath none",
-            "    ServerAliveInterval 30",
-        ]
-    else:
-        lines.append("# (the policy names no hosts yet)")
+    # Every destination goes through bastion: a name missing from the policy
+    # gets UNKNOWN_HOST from the gateway instead of a direct connection.
+    lines += [
+        "Host *",
+        f"    ProxyCommand {proxy_cmd}",
+        "    ProxyUseFdpass yes",
+        f"    HostKeyAlias {HOST_KEY_ALIAS}",
+        f"    UserKnownHostsFile {home.known_hosts.absolute()}",
+        "    GlobalKnownHostsFile /dev/null",
+        "    StrictHostKeyChecking yes",
+        "    UpdateHostKeys no",
+        "    CheckHostIP no",
+        "    BatchMode yes",
+        "    IdentitiesOnly yes",
+        "    IdentityAgent none",
+        "    PubkeyAuthentication no",
+        "    PasswordAuthentication no",
+        "    KbdInteractiveAuthentication no",
+        "    GSSAPIAuthentication no",
+        "    ForwardAgent no",
+        "    ForwardX11 no",
+        "    ClearAllForwardings yes",
+        "    RequestTTY no",
+        "    ControlMaster no",
+        "    ControlPath none",
+        "    ServerAliveInterval 30",
+    ]
     click.echo("\n".join(lines))
 
 

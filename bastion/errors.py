@@ -23,35 +23,54 @@ class Exit(enum.IntEnum):
 
 
 class Code(enum.Enum):
-    """Every way the gateway itself can end a request.
+    """Every way the gateway itself can end a request (DESIGN.md §4)."""
 
-    The value is `(exit status, retryable)`: whether repeating *this* request
-    unchanged could succeed without a person or the target being looked at.
-    """
-
-    VAULT_LOCKED = (Exit.DENIED, False)
-    POLICY_DENIED = (Exit.DENIED, False)
-    POLICY_UNAVAILABLE = (Exit.DENIED, False)
-    UNKNOWN_HOST = (Exit.DENIED, False)
-    SESSION_DENIED = (Exit.DENIED, False)
-    CALL_DENIED = (Exit.DENIED, False)
-    APPROVAL_TIMEOUT = (Exit.DENIED, False)
-    NO_APPROVER = (Exit.DENIED, False)
-    UNSUPPORTED_REQUEST = (Exit.DENIED, False)
-    ACTION_OUTCOME_UNKNOWN = (Exit.DENIED, False)
-    UNREACHABLE = (Exit.NOT_REACHED, True)
-    HOST_KEY_MISMATCH = (Exit.NOT_REACHED, False)
-    TARGET_AUTH_FAILED = (Exit.NOT_REACHED, False)
-    STATUS_UNKNOWN = (Exit.STATUS_UNKNOWN, False)
-    INTERNAL = (Exit.INTERNAL, False)
+    VAULT_LOCKED = "VAULT_LOCKED"
+    POLICY_DENIED = "POLICY_DENIED"
+    POLICY_UNAVAILABLE = "POLICY_UNAVAILABLE"
+    UNKNOWN_HOST = "UNKNOWN_HOST"
+    SESSION_DENIED = "SESSION_DENIED"
+    CALL_DENIED = "CALL_DENIED"
+    APPROVAL_TIMEOUT = "APPROVAL_TIMEOUT"
+    NO_APPROVER = "NO_APPROVER"
+    UNSUPPORTED_REQUEST = "UNSUPPORTED_REQUEST"
+    ACTION_OUTCOME_UNKNOWN = "ACTION_OUTCOME_UNKNOWN"
+    UNREACHABLE = "UNREACHABLE"
+    HOST_KEY_MISMATCH = "HOST_KEY_MISMATCH"
+    TARGET_AUTH_FAILED = "TARGET_AUTH_FAILED"
+    STATUS_UNKNOWN = "STATUS_UNKNOWN"
+    INTERNAL = "INTERNAL"
 
     @property
     def exit_status(self) -> int:
-        return int(self.value[0])
+        return int(CONTRACT[self][0])
 
     @property
     def retryable(self) -> bool:
-        return bool(self.value[1])
+        """Whether repeating *this* request unchanged could succeed without a
+        person or the target being looked at first."""
+        return CONTRACT[self][1]
+
+
+# The §4 table: code -> (exit status, retryable). Kept apart from the enum so
+# that two codes with the same contract stay two codes.
+CONTRACT: dict[Code, tuple[Exit, bool]] = {
+    Code.VAULT_LOCKED: (Exit.DENIED, False),
+    Code.POLICY_DENIED: (Exit.DENIED, False),
+    Code.POLICY_UNAVAILABLE: (Exit.DENIED, False),
+    Code.UNKNOWN_HOST: (Exit.DENIED, False),
+    Code.SESSION_DENIED: (Exit.DENIED, False),
+    Code.CALL_DENIED: (Exit.DENIED, False),
+    Code.APPROVAL_TIMEOUT: (Exit.DENIED, False),
+    Code.NO_APPROVER: (Exit.DENIED, False),
+    Code.UNSUPPORTED_REQUEST: (Exit.DENIED, False),
+    Code.ACTION_OUTCOME_UNKNOWN: (Exit.DENIED, False),
+    Code.UNREACHABLE: (Exit.NOT_REACHED, True),
+    Code.HOST_KEY_MISMATCH: (Exit.NOT_REACHED, False),
+    Code.TARGET_AUTH_FAILED: (Exit.NOT_REACHED, False),
+    Code.STATUS_UNKNOWN: (Exit.STATUS_UNKNOWN, False),
+    Code.INTERNAL: (Exit.INTERNAL, False),
+}
 
 
 @dataclass(frozen=True)
@@ -66,7 +85,7 @@ class Failure:
     def json_line(self) -> bytes:
         """The single JSON line the agent finds last on stderr."""
         error: dict[str, object] = {
-            "code": self.code.name,
+            "code": self.code.value,
             "message": self.message,
             "request_id": self.request_id,
             "retryable": self.code.retryable,

@@ -1,0 +1,56 @@
+"""A stand-in AI agent: one long-lived process that runs ssh when told to.
+
+The gateway approves *processes*, so tests need agents that are real,
+separate, long-lived processes -- and never the test process itself, which
+plays the operator (an operator inside an agent's tree is refused).
+
+Protocol: one JSON object per line on stdin -> one per line on stdout.
+  {"id": N, "argv": [...], "stdin_path": str|null, "env": {...}|null}
+  -> {"id": N, "rc": int, "stdout": b64, "stderr": str, "stdout_sha256": str}
+Each request runs in its own thread, so one agent can have several ssh
+calls in flight at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+
+_lock = threading.Lock()
+
+
+def _run(req: dict) -> None:
+    env = dict(os.environ)
+    env.update(req.get("env") or {})
+    stdin = open(req["stdin_path"], "rb") if req.get("stdin_path") else subprocess.DEVNULL
+    try:
+        r = subprocess.run(req["argv"], stdin=stdin, capture_output=True, env=env,
+                           timeout=req.get("timeout", 120))
+        reply = {"id": req["id"], "rc": r.returncode,
+                 "stdout": base64.b64encode(r.stdout[:1 << 16]).decode(),
+                 "stdout_len": len(r.stdout),
+                 "stdout_sha256": hashlib.sha256(r.stdout).hexdigest(),
+                 "stderr": r.stderr.decode("utf-8", "replace")}
+    except subprocess.TimeoutExpired:
+        reply = {"id": req["id"], "rc": None, "stdout": "", "stdout_len": 0,
+                 "stdout_sha256": "", "stderr": "agent_helper: timeout"}
+    finally:
+        if stdin is not subprocess.DEVNULL:
+            stdin.close()
+    with _lock:
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def main() -> None:
+    for line in sys.stdin:
+        threading.Thread(target=_run, args=(json.loads(line),), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
