@@ -96,15 +96,16 @@ class Gateway:
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[tuple[int, float, str], int] = {}
-        self._last_policy: Policy | PolicyError | None = None
+        self._last_policy: str | None = None
         self._stop = asyncio.Event()
 
     # -- state read by the gate ------------------------------------------------------
 
     def policy(self) -> Policy | PolicyError:
         current = self.policies.current()
-        if current is not self._last_policy:
-            self._last_policy = current
+        seen = str(current) if isinstance(current, PolicyError) else current.digest
+        if seen != self._last_policy:
+            self._last_policy = seen
             if isinstance(current, PolicyError):
                 log.error("policy unavailable: %s", current)
             else:
