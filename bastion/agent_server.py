@@ -35,6 +35,7 @@ HEADER_PREFIX = b"BASTION/1 "
 MAX_HEADER = 4096
 HEADER_TIMEOUT = 5.0
 MAX_CONVERSATION = 256
+MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
 
 
 class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
@@ -162,7 +163,9 @@ class _AgentSSH(asyncssh.SSHServer):
 
     def session_requested(self) -> Any:
         assert self._ssh is not None
-        chan = self._ssh.create_server_channel(encoding=None)
+        # A large receive limit lets an oversized command arrive whole, so the
+        # gate can refuse it with a §4 error instead of a dropped connection.
+        chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = _ExactCommandChannel
         process = asyncssh.SSHServerProcess(self._exec, None, 3, False)
         return chan, process

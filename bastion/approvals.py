@@ -11,6 +11,7 @@ only wakes the waiting request, which asks the gate again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import secrets
 import time
@@ -214,10 +215,8 @@ class ApprovalBook:
     async def wait_changed(self, timeout: float) -> None:
         """Wake when a card opens or closes (or after `timeout`)."""
         event = self._changed
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
 
     def _notify(self) -> None:
         self._changed.set()

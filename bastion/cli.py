@@ -279,7 +279,7 @@ def _key_call(ctx: click.Context, name: str, passphrase_stdin: bool, **args: Any
     try:
         vault = Vault.open(home.vault)
         if name == "key_list":
-            return [k.__dict__ for k in vault.keys()]
+            return [k.__dict__ for k in vault]
         if name == "key_public":
             return vault.key_info(args["label"]).__dict__
         vault.unlock(read_passphrase(passphrase_stdin, False, home))
@@ -557,23 +557,18 @@ def decide(ctx: click.Context, card_id: str, answer: str) -> None:
     click.echo(f"{card_id}: {'approved' if answer == 'approve' else 'denied'}")
 
 
+def _session_line(r: dict[str, Any]) -> str:
+    s = r["subject"]
+    return f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}"
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def sessions(ctx: click.Context, as_json: bool) -> None:
     """Live session approvals."""
     rows = op(ctx, "sessions")
-    emit(
-        rows,
-        as_json,
-        lambda rs: (
-            "\n".join(
-                f"{r['id']}  {r['user']}@{r['host']}  pid {r['subject']['pid']} {r['subject']['exe']}"
-                for r in rs
-            )
-            or "(no live sessions)"
-        ),
-    )
+    emit(rows, as_json, lambda rs: "\n".join(map(_session_line, rs)) or "(no live sessions)")
 
 
 @main.command()

@@ -55,9 +55,18 @@ def say(title: str, body: str = "") -> None:
 def gateway(home: Home, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bastion.cli", "--home", str(home.root), "daemon",
-             "--approval-timeout", "30"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "bastion.cli",
+                "--home",
+                str(home.root),
+                "daemon",
+                "--approval-timeout",
+                "30",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 15
@@ -93,8 +102,9 @@ def run_demo(keep: bool = False) -> int:
 def _demo(root: Path) -> int:
     home = Home(root / "home")
     bastion(home, "init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
-    public = bastion(home, "key", "generate", "demo-key", "--passphrase-stdin",
-                     stdin=PASSPHRASE + "\n").strip()
+    public = bastion(
+        home, "key", "generate", "demo-key", "--passphrase-stdin", stdin=PASSPHRASE + "\n"
+    ).strip()
     say("1. A key is generated inside the vault; only its public half leaves", public)
     with Sshd(root / "sshd", authorized_keys=[public]) as sshd:
         info = sshd.info
@@ -113,9 +123,16 @@ def _demo(root: Path) -> int:
             bastion(home, "unlock", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
             say("3. Gateway running and unlocked", bastion(home, "status"))
             agent = subprocess.Popen(
-                [sys.executable, "-c", AGENT, str(config),
-                 "echo hello from $(hostname); id -un", "rm -rf /tmp/nothing-here"],
-                stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-c",
+                    AGENT,
+                    str(config),
+                    "echo hello from $(hostname); id -un",
+                    "rm -rf /tmp/nothing-here",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
             )
             cards = operator.call(home.operator_socket, "pending", wait=20)
             if not cards:
@@ -126,27 +143,40 @@ def _demo(root: Path) -> int:
             results = [_literal(line) for line in out.splitlines()]
             ok = results and results[0][1] == 0
             for cmd, status, stdout, stderr in results:
-                say(f"5. Agent ran: ssh -F agent_ssh_config demo {cmd!r}",
-                    f"exit {status}\nstdout: {stdout.strip()}\nstderr: {stderr.strip()}")
+                say(
+                    f"5. Agent ran: ssh -F agent_ssh_config demo {cmd!r}",
+                    f"exit {status}\nstdout: {stdout.strip()}\nstderr: {stderr.strip()}",
+                )
             bastion(home, "lock")
             locked = subprocess.run(
                 [sys.executable, "-c", AGENT, str(config), "echo should not run"],
-                capture_output=True, text=True, timeout=60,
+                capture_output=True,
+                text=True,
+                timeout=60,
             )
             cmd, status, _, stderr = _literal(locked.stdout.strip())
-            say("6. After `bastion lock`, the agent is refused at once, nothing queued",
-                f"exit {status}\nstderr: {stderr.strip()}")
+            say(
+                "6. After `bastion lock`, the agent is refused at once, nothing queued",
+                f"exit {status}\nstderr: {stderr.strip()}",
+            )
             ok = ok and status == 77 and len(results) == 2 and results[1][1] == 77
-    say("Done" if ok else "FAILED", "Everything above ran through the real ssh client and a "
-        "real sshd; the agent never held a key." if ok else "see the output above")
+    say(
+        "Done" if ok else "FAILED",
+        "Everything above ran through the real ssh client and a "
+        "real sshd; the agent never held a key."
+        if ok
+        else "see the output above",
+    )
     return 0 if ok else 1
 
 
 def _card(card: dict[str, Any]) -> str:
     s = card["subject"]
-    return (f"{card['kind']} card {card['id']}: {card['user']}@{card['host']} "
-            f"({card['address']}:{card['port']}, credential {card['credential']})\n"
-            f"asked by pid {s['pid']} {s['exe']}\nexe sha256 {s['exe_sha256']}")
+    return (
+        f"{card['kind']} card {card['id']}: {card['user']}@{card['host']} "
+        f"({card['address']}:{card['port']}, credential {card['credential']})\n"
+        f"asked by pid {s['pid']} {s['exe']}\nexe sha256 {s['exe_sha256']}"
+    )
 
 
 def _literal(line: str) -> tuple[str, int, str, str]:
@@ -156,4 +186,4 @@ def _literal(line: str) -> tuple[str, int, str, str]:
     return cmd, status, stdout, stderr
 
 
-__all__ = ["run_demo", "json"]
+__all__ = ["json", "run_demo"]

@@ -27,18 +27,28 @@ _lock = threading.Lock()
 def _run(req: dict) -> None:
     env = dict(os.environ)
     env.update(req.get("env") or {})
-    stdin = open(req["stdin_path"], "rb") if req.get("stdin_path") else subprocess.DEVNULL
+    stdin = open(req["stdin_path"], "rb") if req.get("stdin_path") else subprocess.DEVNULL  # noqa: SIM115
     try:
-        r = subprocess.run(req["argv"], stdin=stdin, capture_output=True, env=env,
-                           timeout=req.get("timeout", 120))
-        reply = {"id": req["id"], "rc": r.returncode,
-                 "stdout": base64.b64encode(r.stdout[:1 << 16]).decode(),
-                 "stdout_len": len(r.stdout),
-                 "stdout_sha256": hashlib.sha256(r.stdout).hexdigest(),
-                 "stderr": r.stderr.decode("utf-8", "replace")}
+        r = subprocess.run(
+            req["argv"], stdin=stdin, capture_output=True, env=env, timeout=req.get("timeout", 120)
+        )
+        reply = {
+            "id": req["id"],
+            "rc": r.returncode,
+            "stdout": base64.b64encode(r.stdout[: 1 << 16]).decode(),
+            "stdout_len": len(r.stdout),
+            "stdout_sha256": hashlib.sha256(r.stdout).hexdigest(),
+            "stderr": r.stderr.decode("utf-8", "replace"),
+        }
     except subprocess.TimeoutExpired:
-        reply = {"id": req["id"], "rc": None, "stdout": "", "stdout_len": 0,
-                 "stdout_sha256": "", "stderr": "agent_helper: timeout"}
+        reply = {
+            "id": req["id"],
+            "rc": None,
+            "stdout": "",
+            "stdout_len": 0,
+            "stdout_sha256": "",
+            "stderr": "agent_helper: timeout",
+        }
     finally:
         if stdin is not subprocess.DEVNULL:
             stdin.close()

@@ -65,8 +65,11 @@ class Agent:
     def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env={**os.environ, **(env or {})},
+            [sys.executable, str(HELPER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}
@@ -83,25 +86,44 @@ class Agent:
             reply = json.loads(line)
             self._replies.setdefault(reply["id"], queue.Queue()).put(reply)
 
-    def start(self, command: str | list[str], host: str = "web1", ssh_args: tuple[str, ...] = (),
-              stdin_path: Path | None = None, env: dict[str, str] | None = None,
-              argv: list[str] | None = None) -> int:
+    def start(
+        self,
+        command: str | list[str],
+        host: str = "web1",
+        ssh_args: tuple[str, ...] = (),
+        stdin_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+    ) -> int:
         cmd = [command] if isinstance(command, str) else list(command)
         if argv is None:
             argv = ["ssh", "-F", str(self.config), *ssh_args, host, *cmd]
         rid = next(self._ids)
         self._replies.setdefault(rid, queue.Queue())
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"id": rid, "argv": argv, "env": env,
-                                          "stdin_path": str(stdin_path) if stdin_path else None})
-                              + "\n")
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "id": rid,
+                    "argv": argv,
+                    "env": env,
+                    "stdin_path": str(stdin_path) if stdin_path else None,
+                }
+            )
+            + "\n"
+        )
         self.proc.stdin.flush()
         return rid
 
     def wait(self, rid: int, timeout: float = 90) -> Result:
         reply = self._replies[rid].get(timeout=timeout)
-        return Result(reply["rc"], base64.b64decode(reply["stdout"]), reply["stdout_len"],
-                      reply["stdout_sha256"], reply["stderr"])
+        return Result(
+            reply["rc"],
+            base64.b64decode(reply["stdout"]),
+            reply["stdout_len"],
+            reply["stdout_sha256"],
+            reply["stderr"],
+        )
 
     def run(self, command: str | list[str], **kw: Any) -> Result:
         return self.wait(self.start(command, **kw))
@@ -112,13 +134,24 @@ class Agent:
         self.proc.wait(10)
 
 
-def policy_toml(sshd: SshdInfo, host_key: str | None = None, port: int | None = None,
-                alias: str = "web1", **account: Any) -> str:
+def policy_toml(
+    sshd: SshdInfo,
+    host_key: str | None = None,
+    port: int | None = None,
+    alias: str = "web1",
+    **account: Any,
+) -> str:
     """A one-host policy (`alias` -> the test sshd) with one account."""
     acct = {"user": USER, "credential": "deploy-key", "approval": "session", **account}
-    lines = [f"[hosts.{alias}]", f'address = "{sshd.address}"', f"port = {port or sshd.port}",
-             f'host_key = "{host_key or sshd.host_key}"', "connect_timeout = 5", "",
-             f"[[hosts.{alias}.accounts]]"]
+    lines = [
+        f"[hosts.{alias}]",
+        f'address = "{sshd.address}"',
+        f"port = {port or sshd.port}",
+        f'host_key = "{host_key or sshd.host_key}"',
+        "connect_timeout = 5",
+        "",
+        f"[[hosts.{alias}.accounts]]",
+    ]
     lines += [f"{k} = {json.dumps(v)}" for k, v in acct.items()]
     return "\n".join(lines) + "\n"
 
@@ -139,13 +172,19 @@ class Bastion:
         self.log = self.root / "gateway.log"
         self.config = self.root / "agent_ssh_config"
 
-    def cli(self, *args: str, stdin: str | bytes | None = None, check: bool = True,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, stdin: str | bytes | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        r = subprocess.run([sys.executable, "-m", "bastion.cli", "--home", str(self.home.root),
-                            *args], input=data, capture_output=True, timeout=timeout)
-        out = subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(),
-                                          r.stderr.decode())
+        r = subprocess.run(
+            [sys.executable, "-m", "bastion.cli", "--home", str(self.home.root), *args],
+            input=data,
+            capture_output=True,
+            timeout=timeout,
+        )
+        out = subprocess.CompletedProcess(
+            r.args, r.returncode, r.stdout.decode(), r.stderr.decode()
+        )
         if check and r.returncode != 0:
             raise AssertionError(f"bastion {' '.join(args)} -> {r.returncode}: {out.stderr}")
         return out
@@ -164,8 +203,19 @@ class Bastion:
     def start_daemon(self, *extra: str) -> None:
         with open(self.log, "ab") as out:
             self.daemon = subprocess.Popen(
-                [sys.executable, "-m", "bastion.cli", "--home", str(self.home.root), "daemon",
-                 *self.daemon_args, *extra], stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "bastion.cli",
+                    "--home",
+                    str(self.home.root),
+                    "daemon",
+                    *self.daemon_args,
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -212,14 +262,18 @@ def client_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     to the tests so they can look for leaks)."""
     d = tmp_path_factory.mktemp("client-key")
     path = d / "id_ed25519"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "deploy", "-f",
-                    str(path)], check=True, timeout=30)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "deploy", "-f", str(path)],
+        check=True,
+        timeout=30,
+    )
     return path, path.with_suffix(".pub").read_text().strip()
 
 
 @pytest.fixture(scope="session")
-def sshd_server(tmp_path_factory: pytest.TempPathFactory,
-                client_key: tuple[Path, str]) -> Iterator[Sshd]:
+def sshd_server(
+    tmp_path_factory: pytest.TempPathFactory, client_key: tuple[Path, str]
+) -> Iterator[Sshd]:
     reason = sshd_available()
     if reason:
         pytest.skip(reason)
@@ -233,12 +287,14 @@ def sshd(sshd_server: Sshd) -> SshdInfo:
     return sshd_server.info
 
 
-def make_bastion(root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None,
-                 start: bool = True) -> Bastion:
+def make_bastion(
+    root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None, start: bool = True
+) -> Bastion:
     b = Bastion(root, sshd)
     b.cli("init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
-    b.cli("key", "import", "deploy-key", str(key_file), "--passphrase-stdin",
-          stdin=PASSPHRASE + "\n")
+    b.cli(
+        "key", "import", "deploy-key", str(key_file), "--passphrase-stdin", stdin=PASSPHRASE + "\n"
+    )
     b.write_policy(policy if policy is not None else policy_toml(sshd))
     b.config.write_text(b.cli("ssh-config").stdout)
     if start:

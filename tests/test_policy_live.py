@@ -36,8 +36,9 @@ def test_wrong_pinned_host_key_runs_nothing(
     bastion: Bastion, sshd: SshdInfo, tmp_path: Path
 ) -> None:
     other = tmp_path / "other"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)],
-                   check=True, timeout=30)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True, timeout=30
+    )
     wrong = " ".join(other.with_suffix(".pub").read_text().split()[:2])
     bastion.write_policy(policy_toml(sshd, host_key=wrong))
     marker = tmp_path / "marker-wrong-key"

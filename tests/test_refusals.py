@@ -73,16 +73,18 @@ def test_no_shell_and_no_pty(bastion: Bastion, tmp_path: Path) -> None:
 
 def test_no_agent_forwarding(bastion: Bastion, tmp_path: Path) -> None:
     sock = tmp_path / "agent.sock"
-    ssh_agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ssh_agent = subprocess.Popen(
+        ["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 10
         while not sock.exists():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         agent = bastion.agent(SSH_AUTH_SOCK=str(sock))
-        rid = agent.start("echo sock=${SSH_AUTH_SOCK:-none}",
-                          ssh_args=("-A", "-o", "ForwardAgent=yes"))
+        rid = agent.start(
+            "echo sock=${SSH_AUTH_SOCK:-none}", ssh_args=("-A", "-o", "ForwardAgent=yes")
+        )
         bastion.approve_next()
         r = agent.wait(rid)
         assert r.rc == 0 and r.stdout == b"sock=none\n"
@@ -93,16 +95,35 @@ def test_no_agent_forwarding(bastion: Bastion, tmp_path: Path) -> None:
 
 def test_no_port_forwarding(bastion: Bastion) -> None:
     agent = bastion.agent()
-    remote = agent.run([], ssh_args=("-N", "-o", "ClearAllForwardings=no", "-o",
-                                     "ExitOnForwardFailure=yes", "-R", "0:127.0.0.1:22"))
+    remote = agent.run(
+        [],
+        ssh_args=(
+            "-N",
+            "-o",
+            "ClearAllForwardings=no",
+            "-o",
+            "ExitOnForwardFailure=yes",
+            "-R",
+            "0:127.0.0.1:22",
+        ),
+    )
     assert remote.rc == 255 and "forwarding failed" in remote.stderr
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    rid = agent.start([], ssh_args=("-N", "-o", "ClearAllForwardings=no", "-o",
-                                    "ExitOnForwardFailure=yes",
-                                    "-L", f"{port}:{bastion.sshd.address}:{bastion.sshd.port}"))
+    rid = agent.start(
+        [],
+        ssh_args=(
+            "-N",
+            "-o",
+            "ClearAllForwardings=no",
+            "-o",
+            "ExitOnForwardFailure=yes",
+            "-L",
+            f"{port}:{bastion.sshd.address}:{bastion.sshd.port}",
+        ),
+    )
     deadline = time.monotonic() + 10
     while True:
         try:
