@@ -7,6 +7,7 @@ on files directly.
 
 from __future__ import annotations
 
+import base64
 import getpass
 import json
 import os
@@ -52,7 +53,10 @@ def read_passphrase(
     if use_keyring:
         import keyring
 
-        secret = keyring.get_password(KEYRING_SERVICE, str(home.root))
+        try:
+            secret = keyring.get_password(KEYRING_SERVICE, str(home.root))
+        except keyring.errors.KeyringError as exc:
+            fail(f"the OS keyring is not usable here: {exc}")
         if secret is None:
             fail(
                 f"no passphrase for {home.root} in the OS keyring (service '{KEYRING_SERVICE}'); "
@@ -70,10 +74,14 @@ def read_passphrase(
     return first
 
 
-def store_keyring(home: Home, passphrase: bytes) -> None:
+def save_to_keyring(home: Home, passphrase: bytes) -> None:
     import keyring
+    import keyring.errors
 
-    keyring.set_password(KEYRING_SERVICE, str(home.root), passphrase.decode())
+    try:
+        keyring.set_password(KEYRING_SERVICE, str(home.root), passphrase.decode())
+    except keyring.errors.KeyringError as exc:
+        fail(f"could not store the passphrase in the OS keyring: {exc}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -129,7 +137,7 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     public = key.export_public_key().decode().strip()
     home.known_hosts.write_text(f"{HOST_KEY_ALIAS} {public}\n")
     if use_keyring:
-        store_keyring(home, passphrase)
+        save_to_keyring(home, passphrase)
     click.echo(
         f"Initialised {home.root}\n"
         f"  vault:     {home.vault} (locked)\n"
@@ -212,18 +220,14 @@ def daemon(
 @click.option("--store-keyring", is_flag=True, help="After unlocking, store it in the keyring.")
 @click.pass_context
 def unlock(
-    ctx: click.Context,
-    passphrase_stdin: bool,
-    use_keyring: bool,
-    store_keyring_: bool = False,
-    **kw: Any,
+    ctx: click.Context, passphrase_stdin: bool, use_keyring: bool, store_keyring: bool
 ) -> None:
     """Unlock the vault in the running gateway (ends every session approval)."""
     home = home_of(ctx)
     passphrase = read_passphrase(passphrase_stdin, use_keyring, home)
-    result = op(ctx, "unlock", timeout=60, passphrase=passphrase.decode("utf-8", "replace"))
-    if kw.get("store_keyring"):
-        store_keyring(home, passphrase)
+    result = op(ctx, "unlock", timeout=60, passphrase=base64.b64encode(passphrase).decode())
+    if store_keyring:
+        save_to_keyring(home, passphrase)
     click.echo(f"unlocked (vault epoch {result['vault_epoch']})")
 
 

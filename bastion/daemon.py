@@ -12,6 +12,7 @@ target is itself a wait.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -414,7 +415,10 @@ class Gateway:
         }
 
     async def op_unlock(self, args: dict[str, Any]) -> dict[str, Any]:
-        passphrase = str(args.get("passphrase", "")).encode()
+        try:
+            passphrase = base64.b64decode(str(args.get("passphrase", "")), validate=True)
+        except ValueError:
+            raise operator.OperatorError("malformed passphrase field") from None
         try:
             await asyncio.to_thread(self.vault.unlock, passphrase)
         except VaultError as exc:

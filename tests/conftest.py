@@ -44,15 +44,16 @@ class Result:
 
     @property
     def error(self) -> dict[str, Any] | None:
-        """The gateway's §4 JSON error, if the last stderr line is one."""
-        lines = self.stderr.strip().splitlines()
-        if not lines:
-            return None
-        try:
-            doc = json.loads(lines[-1])
-        except ValueError:
-            return None
-        return doc.get("error") if isinstance(doc, dict) else None
+        """The gateway's §4 JSON error: the last stderr line that is one (only
+        when the gateway is unreachable does ssh print lines of its own after it)."""
+        for line in reversed(self.stderr.strip().splitlines()):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and "error" in doc:
+                return doc["error"]
+        return None
 
     @property
     def code(self) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -25,6 +26,7 @@ def test_locked_vault_denies_at_once_and_nothing_runs_after_unlock(
     elapsed = time.monotonic() - started
     assert r.rc == 77 and r.code == "VAULT_LOCKED" and r.error["retryable"] is False
     assert r.error["request_id"].startswith("req_")
+    assert json.loads(r.stderr.strip().splitlines()[-1])["ok"] is False  # the very last line
     # Answered at once, not after waiting for anyone (the approval timeout is 20 s).
     assert elapsed < 10, elapsed
     assert bastion.op("pending") == []

@@ -1,0 +1,151 @@
+"""Latency and throughput of an agent's ssh call: direct to sshd vs. through bastion.
+
+Run from the repo root: python bench/bench.py [--n 30] [--json]. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bastion.sshd_fixture import Sshd  # noqa: E402
+from tests.conftest import Agent, Bastion, make_bastion  # noqa: E402
+
+BLOB_SIZE = 32 << 20
+THROUGHPUT_RUNS = 3
+WARMUP = 2
+
+
+def timed(agent: Agent, command: str, argv: list[str] | None, **kw: Any) -> float:
+    """Wall time of one request through the agent helper; raises if ssh failed."""
+    if argv is not None:
+        argv = [*argv, command]
+    t0 = time.perf_counter()
+    r = agent.run(command, argv=argv, **kw)
+    dt = time.perf_counter() - t0
+    if r.rc != 0:
+        raise RuntimeError(f"{argv or command!r} -> rc {r.rc}: {r.stderr.strip()}")
+    return dt
+
+
+def timed_cmd(argv: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, capture_output=True, check=False, timeout=30)
+    return time.perf_counter() - t0
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    p90 = statistics.quantiles(xs, n=10, method="inclusive")[8]
+    return {"median_ms": statistics.median(xs) * 1e3, "p90_ms": p90 * 1e3, "min_ms": min(xs) * 1e3}
+
+
+def bench(root: Path, n: int) -> dict[str, Any]:
+    key = root / "id_ed25519"
+    keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f", str(key)]
+    subprocess.run(keygen, check=True, timeout=30)
+    sshd = Sshd(root / "sshd", authorized_keys=[key.with_suffix(".pub").read_text().strip()])
+    bastion: Bastion | None = None
+    try:
+        info = sshd.start()
+        known = root / "known_hosts"
+        known.write_text(info.known_hosts_line() + "\n")
+        direct = ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes"]
+        direct += ["-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes"]
+        direct += ["-o", "BatchMode=yes", "-p", str(info.port), f"{info.user}@{info.address}"]
+        proxy = [sys.executable, "-I", "-S", str(REPO / "bastion" / "proxy.py")]
+        proxy += ["--socket", "/nonexistent", "h", "22", "u"]
+
+        bastion = make_bastion(root / "bastion", info, key, start=False)
+        bastion.start_daemon()
+        bastion.unlock()
+        agent = bastion.agent()
+        rid = agent.start("true")
+        bastion.approve_next()
+        if (r := agent.wait(rid)).rc != 0:
+            raise RuntimeError(f"approved session failed: {r.stderr.strip()}")
+
+        lat: dict[str, list[float]] = {"direct": [], "bastion": [], "helper": [], "proxy": []}
+        for i in range(WARMUP + n):
+            # Interleaved A B A B ...; the proxy helper and the agent helper's own
+            # floor (argv=["true"], no ssh) ride along in the same rounds.
+            sample = {
+                "direct": timed(agent, "true", direct),
+                "bastion": timed(agent, "true", None),
+                "helper": timed(agent, "true", []),
+                "proxy": timed_cmd(proxy),
+            }
+            if i >= WARMUP:
+                for k, v in sample.items():
+                    lat[k].append(v)
+
+        blob = root / "blob"
+        data = os.urandom(BLOB_SIZE)
+        blob.write_bytes(data)
+        digest = hashlib.sha256(data).hexdigest()
+        tput: dict[str, list[float]] = {"direct": [], "bastion": []}
+        for _ in range(THROUGHPUT_RUNS):
+            for name, argv in (("direct", direct), ("bastion", None)):
+                t0 = time.perf_counter()
+                r = agent.run("cat", argv=[*argv, "cat"] if argv else None, stdin_path=blob)
+                dt = time.perf_counter() - t0
+                if r.rc != 0 or r.stdout_len != BLOB_SIZE or r.stdout_sha256 != digest:
+                    raise RuntimeError(f"{name} cat: rc {r.rc}, {r.stdout_len} B: {r.stderr}")
+                tput[name].append(BLOB_SIZE / 1e6 / dt)
+    finally:
+        if bastion is not None:
+            bastion.close()
+        sshd.stop()
+
+    out: dict[str, Any] = {"n": n, "latency": {k: stats(v) for k, v in lat.items()}}
+    d, b = out["latency"]["direct"], out["latency"]["bastion"]
+    out["ratio_median"] = b["median_ms"] / d["median_ms"]
+    out["ratio_p90"] = b["p90_ms"] / d["p90_ms"]
+    out["throughput_MBps"] = {k: statistics.median(v) for k, v in tput.items()}
+    out["throughput_ratio"] = out["throughput_MBps"]["bastion"] / out["throughput_MBps"]["direct"]
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    labels = {
+        "direct": "direct ssh (new TCP+SSH each)",
+        "bastion": "ssh -F bastion.config web1",
+        "helper": "agent helper floor (true, no ssh)",
+        "proxy": "proxy.py startup (fails fast)",
+    }
+    lines = [f"latency, n={r['n']}      {'median':>8} {'p90':>8} {'min':>8}  (ms)"]
+    for k, label in labels.items():
+        s = r["latency"][k]
+        lines.append(f"{label:34} {s['median_ms']:8.1f} {s['p90_ms']:8.1f} {s['min_ms']:8.1f}")
+    lines.append(f"bastion/direct: median {r['ratio_median']:.2f}x, p90 {r['ratio_p90']:.2f}x")
+    t = r["throughput_MBps"]
+    lines.append(
+        f"cat 32 MiB up+down (MB/s, median of {THROUGHPUT_RUNS}): direct {t['direct']:.0f}, "
+        f"bastion {t['bastion']:.0f}, ratio {r['throughput_ratio']:.2f}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=30, help="latency samples per path (>= 2)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bastion-bench-") as tmp:
+        result = bench(Path(tmp), max(args.n, 2))
+    print(json.dumps(result, indent=2) if args.json else report(result))
+
+
+if __name__ == "__main__":
+    main()
