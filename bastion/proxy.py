@@ -39,14 +39,18 @@ def fail(message: str) -> int:
 
 
 def read_reply(sock: socket.socket) -> bytes:
+    """Read the daemon's one-line answer and not one byte more: the SSH
+    banner follows at once on the same socket, and it belongs to ssh."""
     sock.settimeout(REPLY_TIMEOUT)
-    data = b""
-    while b"\n" not in data and len(data) < MAX_HEADER:
-        chunk = sock.recv(MAX_HEADER)
-        if not chunk:
+    data = bytearray()
+    while len(data) < MAX_HEADER:
+        byte = sock.recv(1)
+        if not byte:
             break
-        data += chunk
-    return data
+        data += byte
+        if byte == b"\n":
+            break
+    return bytes(data)
 
 
 def relay(sock: socket.socket) -> int:
