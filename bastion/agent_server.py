@@ -139,7 +139,6 @@ class AgentListener:
             sock.close()
             return
         self._conns.add(ssh_conn)
-        ssh_conn.get_owner()  # keep a reference alive with the connection
         await ssh_conn.wait_closed()
         self._conns.discard(ssh_conn)
 

@@ -152,6 +152,7 @@ class ApprovalBook:
     """The gateway's memory of who may do what right now."""
 
     boot_id: str
+    command_ttl: float = 60.0  # how long an approved command may wait to be sent
     clock: Callable[[], float] = time.time
     _cards: dict[str, _Open] = field(default_factory=dict)
     _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
@@ -281,7 +282,7 @@ class ApprovalBook:
             user=card.user,
             credential=card.credential,
             command_sha256=card.command_sha256,
-            expires_at=card.expires_at,
+            expires_at=self.clock() + self.command_ttl,
         )
         self._command_grants[card.id] = grant
         return grant

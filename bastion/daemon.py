@@ -85,12 +85,10 @@ class Gateway:
         self.settings = settings
         self.home = settings.home
         self.boot_id = "boot_" + secrets.token_hex(12)
-        self.vault = Vault.open(self.home.vault)
-        if not self.vault.locked:  # pragma: no cover - Vault.open returns locked
-            self.vault.lock()
+        self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
         self.policies = PolicyStore(settings.policies)
         self.resolver = Resolver()
-        self.book = ApprovalBook(self.boot_id)
+        self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
         self.dispatcher = Dispatcher(
             self.vault.private_key, settings.keepalive_interval, settings.keepalive_count_max
         )
@@ -195,7 +193,6 @@ class Gateway:
         now = time.time()
         host, account = verdict.host, verdict.account
         is_command = kind is CardKind.COMMAND
-        ttl = self.settings.command_approval_ttl if is_command else self.settings.approval_timeout
         return Card(
             id=("cc_" if is_command else "sc_") + secrets.token_hex(6),
             kind=kind,
@@ -220,7 +217,7 @@ class Gateway:
                 else verdict.session.entry_digest
             ),
             created_at=now,
-            expires_at=now + max(ttl, self.settings.approval_timeout),
+            expires_at=now + self.settings.approval_timeout,
             session_id=verdict.session.id if isinstance(verdict, AskCommand) else None,
         )
 

@@ -23,6 +23,7 @@ import asyncssh
 
 from bastion.errors import Code
 from bastion.policy import Account, Host
+from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.dispatch")
 
@@ -95,11 +96,22 @@ class Dispatcher:
         self._retired: set[asyncssh.SSHClientConnection] = set()
 
     async def _connect(self, host: Host, account: Account) -> asyncssh.SSHClientConnection:
+        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
         try:
-            pinned = asyncssh.import_public_key(host.host_key)
             key = self._private_key(account.credential)
-        except (asyncssh.KeyImportError, ValueError) as exc:
-            raise NotStarted(Code.INTERNAL, f"bad host key or credential: {exc}") from exc
+        except VaultLocked as exc:
+            raise NotStarted(
+                Code.VAULT_LOCKED,
+                "The credential vault was locked before the "
+                "command could be sent. It was not queued or sent.",
+            ) from exc
+        except VaultError as exc:
+            raise NotStarted(
+                Code.INTERNAL,
+                f'The policy names credential "{account.credential}" for {account.user}@'
+                f"{host.alias}, but the vault cannot provide it ({exc}). Nothing was sent; an "
+                "operator must add the key (`bastion key import`) or fix the policy.",
+            ) from exc
         client = _Tracked()
         try:
             conn = await asyncio.wait_for(

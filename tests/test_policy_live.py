@@ -102,3 +102,15 @@ def test_policy_file_writable_by_others_is_refused(bastion: Bastion, sshd: SshdI
     assert r.code == "POLICY_UNAVAILABLE"
     status = json.loads(bastion.cli("status", "--json").stdout)
     assert "writable" in status["policy"]["error"]
+
+
+def test_credential_missing_from_the_vault_is_a_clear_gateway_fault(
+    bastion: Bastion, sshd: SshdInfo
+) -> None:
+    bastion.write_policy(policy_toml(sshd, credential="not-in-vault"))
+    agent = bastion.agent()
+    rid = agent.start("true")
+    bastion.approve_next()
+    r = agent.wait(rid)
+    assert r.rc == 70 and r.code == "INTERNAL"
+    assert "not-in-vault" in r.error["message"] and "bastion key import" in r.error["message"]
