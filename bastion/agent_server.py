@@ -55,7 +55,8 @@ class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
         return self._start_session(command=command.decode("utf-8", "surrogateescape"))
 
 
-async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[str, str]:
+async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, str]:
+    """The proxy's one line: which target (or, from `bastion run`, a registration)."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = await loop.sock_recv(sock, MAX_HEADER)
@@ -67,10 +68,16 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
     if not data.startswith(HEADER_PREFIX) or data.count(b"\n") != 1:
         raise ValueError("not a bastion proxy header (use `bastion proxy` as the ProxyCommand)")
     fields = json.loads(data[len(HEADER_PREFIX) :])
-    host, user = fields.get("host"), fields.get("user")
-    if not isinstance(host, str) or not isinstance(user, str) or not host or not user:
+    if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
+        raise ValueError("malformed header")
+    if "register" in fields:
+        label = fields.get("label", "")
+        if fields["register"] != "run" or len(label) > 100 or not label.isprintable():
+            raise ValueError("malformed run registration")
+        return fields
+    if not fields.get("host") or not fields.get("user"):
         raise ValueError("header lacks host or user")
-    return host.lower(), user
+    return {"host": fields["host"].lower(), "user": fields["user"]}
 
 
 class AgentListener:
@@ -117,7 +124,12 @@ class AgentListener:
         loop = asyncio.get_running_loop()
         gw = self.gateway
         try:
-            host, user = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
+            header = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
+            if "register" in header:
+                run_id = await asyncio.to_thread(gw.register_run, sock, header.get("label", ""))
+                await loop.sock_sendall(sock, f"OK {run_id}\n".encode())
+                sock.close()
+                return
             peer = await asyncio.to_thread(gw.resolver.identify, sock)
         except (ValueError, TimeoutError, IdentityError, OSError) as exc:
             log.warning("agent connection refused: %s", exc)
@@ -127,7 +139,7 @@ class AgentListener:
             return
         if peer.uid == os.getuid():
             gw.same_uid_agent_seen = True
-        conn = AgentConn(peer=peer, host=host, user=user)
+        conn = AgentConn(peer=peer, host=header["host"], user=header["user"])
         try:
             await loop.sock_sendall(sock, b"OK\n")
             ssh_conn = await asyncssh.run_server(
@@ -229,7 +241,7 @@ class _AgentSSH(asyncssh.SSHServer):
         )
         decided = await gw.authorize(conn, req, conversation)
         if isinstance(decided, Failure):
-            log.info("%s: denied %s", request_id, decided.code.name)
+            gw.denied(conn, req, decided)
             return _finish_failure(process, decided)
         await self._dispatch(process, req, conversation, decided)
 
@@ -256,7 +268,7 @@ class _AgentSSH(asyncssh.SSHServer):
                 decided.host, decided.account, epoch, req.command, streams, before_exec
             )
         except _Abort as abort:
-            log.info("%s: not sent, world changed: %s", req.request_id, abort.failure.code.name)
+            gw.denied(conn, req, abort.failure)
             return _finish_failure(process, abort.failure)
         log.info(
             "%s: %s%s",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -115,11 +116,13 @@ class _Live:
     conversation: str | None
 
 
-def _match_key(exe: str, conversation: str | None, host: str, user: str) -> tuple[str, ...]:
+def _match_key(exe: str, conversation: str | None, host: str, user: str) -> str:
     """Which later subject counts as 'the same agent' for explaining a new
     card: same executable, same conversation ref, same host and account.
-    It explains; it never authorises."""
-    return (exe, conversation or "", host, user)
+    It explains; it never authorises. Hashed, because it outlives the
+    gateway (see `live_match_keys`) and a conversation ref is the agent's text."""
+    joined = "\0".join((exe, conversation or "", host, user)).encode()
+    return hashlib.sha256(joined).hexdigest()
 
 
 def escape_command(command: bytes) -> str:
@@ -156,7 +159,9 @@ class ApprovalBook:
     clock: Callable[[], float] = time.time
     _cards: dict[str, _Open] = field(default_factory=dict)
     _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
-    _ended: dict[tuple[str, ...], EndReason] = field(default_factory=dict)
+    _ended: dict[str, EndReason] = field(default_factory=dict)
+    on_change: Callable[[], None] | None = None  # grants began or ended
+    on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -166,6 +171,8 @@ class ApprovalBook:
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._cards[card.id] = _Open(card, fut)
         self._notify()
+        if self.on_card is not None:
+            self.on_card(card, None)
         return fut
 
     def pending(self) -> list[Card]:
@@ -184,6 +191,8 @@ class ApprovalBook:
             return False
         o.future.set_result(answer)
         self._notify()
+        if self.on_card is not None:
+            self.on_card(o.card, answer)
         return True
 
     def approver_seen(self, card_id: str) -> bool:
@@ -239,6 +248,7 @@ class ApprovalBook:
         key = (card.subject.key, card.host, card.user)
         self._sessions[key] = _Live(grant, card.subject, card.conversation)
         self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, card.user), None)
+        self._changed_grants()
         return grant
 
     def session_for(
@@ -248,6 +258,12 @@ class ApprovalBook:
         live = self._sessions.get((subject.key, host, user))
         if live is not None:
             return live.grant, None
+        # The same process, now running another executable (exec): its grant ends.
+        if self.end_sessions(
+            lambda g: g.subject_key[:3] == subject.process_key and (g.host, g.user) == (host, user),
+            EndReason.PROCESS_CHANGED,
+        ):
+            return None, EndReason.PROCESS_CHANGED
         return None, self._ended.get(_match_key(subject.exe, conversation, host, user))
 
     def sessions(self) -> list[tuple[SessionGrant, Subject]]:
@@ -264,7 +280,27 @@ class ApprovalBook:
                     reason
                 )
                 ended.append(g.id)
+        if ended:
+            self._changed_grants()
         return ended
+
+    def live_match_keys(self) -> list[str]:
+        """What a later gateway lifetime needs to say `gateway_restarted`."""
+        return sorted(
+            {
+                _match_key(live.subject.exe, live.conversation, live.grant.host, live.grant.user)
+                for live in self._sessions.values()
+            }
+        )
+
+    def previous_lifetime(self, match_keys: Iterable[str]) -> None:
+        """Approvals alive when the last lifetime ended explain the next cards."""
+        for key in match_keys:
+            self._ended.setdefault(key, EndReason.GATEWAY_RESTARTED)
+
+    def _changed_grants(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def subjects(self) -> Iterable[Subject]:
         return [live.subject for live in self._sessions.values()]

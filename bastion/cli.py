@@ -514,26 +514,49 @@ def proxy(ctx: click.Context, args: tuple[str, ...]) -> None:
     sys.exit(proxy_mod.main(argv))
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--label", default="", help="Shown on the operator's cards.")
+@click.option("--agent-socket", type=click.Path(path_type=Path), default=None)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run(
+    ctx: click.Context, label: str, agent_socket: Path | None, command: tuple[str, ...]
+) -> None:
+    """Start an agent as a registered run: every ssh anywhere in its process
+    tree is attributed to this one run (read from the live process tree by the
+    gateway, never from an environment variable)."""
+    import signal
+    import socket
+    import subprocess
+
+    from bastion.proxy import PROTOCOL, read_reply
+
+    path = (agent_socket or home_of(ctx).agent_socket).absolute()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+        sock.sendall(PROTOCOL + json.dumps({"register": "run", "label": label}).encode() + b"\n")
+        reply = read_reply(sock).decode("utf-8", "replace").strip()
+    except OSError as exc:
+        fail(f"cannot reach the gateway at {path} ({exc.strerror}); is `bastion daemon` running?")
+    finally:
+        sock.close()
+    if not reply.startswith("OK "):
+        fail(f"the gateway refused to register the run: {reply or 'no reply'}")
+    click.echo(
+        f"bastion: registered {reply[3:]} (pid {os.getpid()}); starting {command[0]}", err=True
+    )
+    try:
+        child = subprocess.Popen(list(command))
+    except OSError as exc:
+        fail(f"cannot start {command[0]}: {exc.strerror}", 127)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda n, _f: child.send_signal(n))
+    code = child.wait()
+    sys.exit(code if code >= 0 else 128 - code)
+
+
 # -- the operator ---------------------------------------------------------------------------
-
-
-def _card_text(c: dict[str, Any]) -> str:
-    s = c["subject"]
-    lines = [
-        f"{c['id']}  {c['kind']} card  {c['user']}@{c['host']} "
-        f"({c['address']}:{c['port']}, key {c['credential']})"
-    ]
-    if c.get("reason"):
-        lines.append(f"    new approval needed: {c['reason']}")
-    lines.append(f"    asks:  pid {s['pid']} {s['exe']} (uid {s['uid']})")
-    lines.append(f"    exe sha256: {s['exe_sha256']}")
-    if c.get("conversation"):
-        lines.append(f"    conversation (not authority): {c['conversation']}")
-    if c.get("command") is not None:
-        lines.append(f"    command: {c['command']}")
-        lines.append(f"    sha256:  {c['command_sha256']}")
-    lines.append(f"    decide:  bastion decide {c['id']} approve|deny")
-    return "\n".join(lines)
 
 
 @main.command()
@@ -547,8 +570,29 @@ def _card_text(c: dict[str, Any]) -> str:
 @click.pass_context
 def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
     """Cards waiting for an operator's answer."""
+    from bastion.operator import render_card
+
     cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
-    emit(cards, as_json, lambda cs: "\n\n".join(_card_text(c) for c in cs) or "(no pending cards)")
+    emit(
+        cards,
+        as_json,
+        lambda cs: (
+            "\n\n".join(
+                render_card(c) + f"\n  decide:   bastion decide {c['id']} approve|deny" for c in cs
+            )
+            or "(no pending cards)"
+        ),
+    )
+
+
+@main.command()
+@click.pass_context
+def approve(ctx: click.Context) -> None:
+    """Interactive approvals: each card as it arrives; y approve, n deny,
+    d details (process chain, digests), q quit. Survives gateway restarts."""
+    from bastion.operator import approve as run_prompt
+
+    sys.exit(run_prompt(home_of(ctx).operator_socket))
 
 
 @main.command()

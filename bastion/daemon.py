@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import os
 import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from bastion.vault import Vault, VaultError, load_private_key_file
 log = logging.getLogger("bastion")
 
 MAX_ROUNDS = 4  # gate → card → gate ... a request never loops for ever
+WATCH_PING = 10.0  # seconds between keep-alive events to watching operators
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class Gateway:
         self.policies = PolicyStore(settings.policies)
         self.resolver = Resolver()
         self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
+        self.book.on_change = self._save_lifetime
+        self.book.on_card = self._card_event
+        self._watchers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.dispatcher = Dispatcher(
             self.vault.private_key, settings.keepalive_interval, settings.keepalive_count_max
         )
@@ -311,12 +316,83 @@ class Gateway:
             why.value if why else None,
         )
 
+    # -- what operators watching see ---------------------------------------------------
+
+    def publish(self, event: dict[str, Any]) -> None:
+        for q in self._watchers:
+            q.put_nowait(event)
+
+    def _card_event(self, card: Card, answer: Answer | None) -> None:
+        if answer is None:
+            if self._watchers:
+                self.book.note_operator()  # somebody is looking at it right now
+            self.publish({"event": "card", "card": card.as_json()})
+        else:
+            self.publish({"event": "closed", "card": card.id, "answer": answer.value})
+
+    def denied(self, conn: AgentConn, req: Request, failure: Failure) -> None:
+        subject = conn.peer.subject
+        log.info("%s: denied %s", req.request_id, failure.code.value)
+        self.notice(
+            f"denied {failure.code.value}: pid {subject.pid} "
+            f"({os.path.basename(subject.exe)}) asked for {req.user}@{req.host}; "
+            "nothing was sent",
+            req.request_id,
+        )
+
+    def notice(self, text: str, request_id: str | None = None) -> None:
+        """A fact for the operator; nothing to decide, nothing it could run."""
+        self.publish({"event": "notice", "text": text, "request_id": request_id})
+
+    async def op_watch(self, _: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._watchers.add(q)
+        self.book.note_operator()
+        try:
+            yield {
+                "event": "hello",
+                "boot_id": self.boot_id,
+                "locked": self.vault.locked,
+                "vault_epoch": self.vault.epoch,
+            }
+            for card in self.book.pending():
+                yield {"event": "card", "card": card.as_json()}
+            while True:
+                try:
+                    yield await asyncio.wait_for(q.get(), WATCH_PING)
+                except TimeoutError:
+                    yield {"event": "ping"}
+        finally:
+            self._watchers.discard(q)
+
+    # -- what the next lifetime may know ---------------------------------------------
+
+    def _load_previous_lifetime(self) -> None:
+        try:
+            doc = json.loads(self.home.lifetime.read_text())
+            keys = [k for k in doc["live_match_keys"] if isinstance(k, str)]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if doc.get("boot_id") != self.boot_id:
+            self.book.previous_lifetime(keys)
+
+    def _save_lifetime(self) -> None:
+        doc = {"boot_id": self.boot_id, "live_match_keys": self.book.live_match_keys()}
+        tmp = self.home.lifetime.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.home.lifetime)
+        except OSError as exc:
+            log.warning("could not record live approvals for the next lifetime: %s", exc)
+
     # -- process lifetimes -----------------------------------------------------------
 
     def watch(self, subject: Subject) -> None:
         """End grants and withdraw cards the moment a subject exits (not only
         when it next asks): a pidfd becomes readable at exit."""
-        if subject.key in self._watches:
+        if subject.process_key in self._watches:
             return
         try:
             fd = os.pidfd_open(subject.pid)
@@ -327,18 +403,20 @@ class Gateway:
             os.close(fd)
             self._subject_exited(subject)
             return
-        self._watches[subject.key] = fd
+        self._watches[subject.process_key] = fd
         asyncio.get_running_loop().add_reader(fd, self._subject_exited, subject)
 
     def _subject_exited(self, subject: Subject) -> None:
-        fd = self._watches.pop(subject.key, None)
+        fd = self._watches.pop(subject.process_key, None)
         if fd is not None:
             asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
         ended = self.book.end_sessions(
-            lambda g: g.subject_key == subject.key, EndReason.PROCESS_CHANGED
+            lambda g: g.subject_key[:3] == subject.process_key, EndReason.PROCESS_CHANGED
         )
-        gone = self.book.withdraw(lambda c: c.subject.key == subject.key, Answer.WITHDRAWN_GONE)
+        gone = self.book.withdraw(
+            lambda c: c.subject.process_key == subject.process_key, Answer.WITHDRAWN_GONE
+        )
         self.resolver.forget(subject.pid, subject.start_time)
         if ended or gone:
             log.info(
@@ -347,6 +425,23 @@ class Gateway:
                 len(ended),
                 len(gone),
             )
+
+    def register_run(self, sock: socket.socket, label: str) -> str:
+        """`bastion run`: the connecting process becomes one subject for its
+        whole tree, for as long as it lives (runs in a worker thread)."""
+        info = self.resolver.register_run(sock, label)
+        subject = Subject(
+            info.pid,
+            info.start_time,
+            info.exe,
+            info.exe_sha256,
+            info.uid,
+            self.resolver.nonce_for(info.pid, info.start_time),
+            label,
+        )
+        self._loop.call_soon_threadsafe(self.watch, subject)
+        log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
+        return f"run_{subject.nonce}"
 
     def connection_closed(self, conn: AgentConn) -> None:
         conn.closed = True
@@ -512,6 +607,8 @@ class Gateway:
 
         home = self.home
         home.make_dirs()
+        self._loop = asyncio.get_running_loop()
+        self._load_previous_lifetime()
         with contextlib.suppress(operator.OperatorError):
             operator.call(home.operator_socket, "status", timeout=2)
             raise SystemExit(f"bastion: a gateway is already running for {home.root}")
@@ -519,7 +616,11 @@ class Gateway:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         op_server = await operator.serve(
-            home.operator_socket, self.handlers(), os.getuid(), self.agent_processes
+            home.operator_socket,
+            self.handlers(),
+            {"watch": self.op_watch},
+            os.getuid(),
+            self.agent_processes,
         )
         listener = AgentListener(self, self._agent_listen_socket())
         accept_task = asyncio.create_task(listener.serve())

@@ -32,6 +32,9 @@ from bastion.policy import (
 
 MAX_COMMAND_BYTES = 64 * 1024
 
+# (pid, start time, launch nonce, exe sha256): one process running one executable.
+SubjectKey = tuple[int, float, str, str]
+
 
 class EndReason(enum.Enum):
     """Why an earlier approval of a matching subject no longer holds."""
@@ -49,7 +52,7 @@ class SessionGrant:
     that process, in one gateway lifetime and one vault epoch."""
 
     id: str
-    subject_key: tuple[int, float, str]
+    subject_key: SubjectKey
     host: str
     user: str
     boot_id: str
@@ -80,7 +83,7 @@ class Request:
     host: str
     user: str
     command: bytes
-    subject_key: tuple[int, float, str]
+    subject_key: SubjectKey
 
     @property
     def command_sha256(self) -> str:

@@ -57,6 +57,12 @@ class Home:
         return self.run / "operator.sock"
 
     @property
+    def lifetime(self) -> Path:
+        """Hashed facts about the approvals alive in the current lifetime, so
+        the next one can explain its cards (`gateway_restarted`). Never a grant."""
+        return self.run / "lifetime.json"
+
+    @property
     def journal(self) -> Path:
         return self.root / "journal"
 

@@ -67,10 +67,18 @@ class Subject:
     exe_sha256: str | None
     uid: int
     nonce: str
+    run: str | None = None  # label of the registered run this subject is, if any
 
     @property
-    def key(self) -> tuple[int, float, str]:
+    def process_key(self) -> tuple[int, float, str]:
+        """This process instance, whatever it runs now (watching, cards)."""
         return (self.pid, self.start_time, self.nonce)
+
+    @property
+    def key(self) -> tuple[int, float, str, str]:
+        """What approvals bind to: the process instance *and* its executable.
+        exec() keeps the pid and start time; it must not keep the approval."""
+        return (self.pid, self.start_time, self.nonce, self.exe_sha256 or self.exe)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -78,7 +86,9 @@ class Subject:
             "start_time": self.start_time,
             "exe": self.exe,
             "exe_sha256": self.exe_sha256,
+            "exe_deleted": self.exe.endswith(" (deleted)"),
             "uid": self.uid,
+            "run": self.run,
         }
 
 
@@ -151,6 +161,7 @@ class Resolver:
         self.wrappers = wrappers
         self.hasher = ExeHasher()
         self._nonces: dict[tuple[int, float], str] = {}
+        self.runs: dict[tuple[int, float], str] = {}  # registered runs: (pid, start) -> label
 
     def read_process(self, pid: int) -> ProcessInfo:
         try:
@@ -212,6 +223,7 @@ class Resolver:
 
     def forget(self, pid: int, start_time: float) -> None:
         self._nonces.pop((pid, start_time), None)
+        self.runs.pop((pid, start_time), None)
 
     def identify(self, sock: socket.socket) -> Peer:
         """Read who is on the other end of `sock`, or refuse."""
@@ -223,7 +235,9 @@ class Resolver:
             full = self.chain(pid)
             if not full or full[0].uid != uid:
                 raise IdentityError("the peer process changed while being identified")
-            idx = self.subject_index(full)
+            idx = self.run_index(full)
+            if idx is None:
+                idx = self.subject_index(full)
             chain = full[: idx + 1]
             # Re-read after the walk: a pid reused meanwhile shows a new start time.
             for info in chain:
@@ -247,8 +261,31 @@ class Resolver:
             exe_sha256=s.exe_sha256,
             uid=s.uid,
             nonce=self.nonce_for(s.pid, s.start_time),
+            run=self.runs.get((s.pid, s.start_time)),
         )
         return Peer(pid=pid, uid=uid, gid=gid, chain=tuple(chain), subject=subject)
+
+    def run_index(self, chain: list[ProcessInfo]) -> int | None:
+        """The nearest registered run above the peer: its whole tree is one subject."""
+        for i, info in enumerate(chain):
+            if (info.pid, info.start_time) in self.runs:
+                return i
+        return None
+
+    def register_run(self, sock: socket.socket, label: str) -> ProcessInfo:
+        """Register the connecting process itself as a run. The kernel names
+        the process; the client can only ask for itself."""
+        pid, uid, _ = peer_credentials(sock)
+        pidfd = peer_pidfd(sock)
+        try:
+            info = self.read_process(pid)
+            if info.uid != uid or (pidfd is not None and pidfd_exited(pidfd)):
+                raise IdentityError("the registering process changed while being identified")
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        self.runs[(info.pid, info.start_time)] = label
+        return info
 
 
 def _basename(info: ProcessInfo) -> str:

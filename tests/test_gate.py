@@ -52,7 +52,7 @@ preapproved = ["uptime"]
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
-SUBJECT = (100, 1.5, "nonce")
+SUBJECT = (100, 1.5, "nonce", "exe-sha256")
 BOOT, EPOCH, NOW = "boot_a", 7, 1000.0
 
 
