@@ -33,7 +33,8 @@ class Answer(enum.Enum):
 
     APPROVED = "approved"
     DECLINED = "declined"
-    TIMEOUT = "timeout"
+    TIMEOUT = "timeout"  # an operator was watching and did not answer
+    UNSEEN = "unseen"  # timed out with no operator watching at any point
     WITHDRAWN_LOCKED = "withdrawn_locked"  # vault locked: the question is void
     WITHDRAWN_GONE = "withdrawn_gone"  # process exited or connection closed
 

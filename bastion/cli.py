@@ -173,6 +173,13 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     help="Seconds a card waits for an answer.",
 )
 @click.option(
+    "--command-ttl",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds an approved command may wait to be sent.",
+)
+@click.option(
     "--keepalive",
     type=click.FloatRange(min=0.1),
     default=15.0,
@@ -186,6 +193,7 @@ def daemon(
     agent_socket: Path | None,
     agent_group: str | None,
     approval_timeout: float,
+    command_ttl: float,
     keepalive: float,
 ) -> None:
     """Run the gateway in the foreground. It starts locked."""
@@ -209,6 +217,7 @@ def daemon(
             agent_socket=(agent_socket or home.agent_socket).absolute(),
             agent_group=gid,
             approval_timeout=approval_timeout,
+            command_approval_ttl=command_ttl,
             keepalive_interval=keepalive,
         )
     )

@@ -244,7 +244,8 @@ class Gateway:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.settings.approval_timeout)
         except TimeoutError:
-            self.book.close_card(card.id, Answer.TIMEOUT)
+            seen = self.book.approver_seen(card.id)
+            self.book.close_card(card.id, Answer.TIMEOUT if seen else Answer.UNSEEN)
             return fut.result()
         finally:
             conn.cards.discard(card.id)
@@ -272,7 +273,7 @@ class Gateway:
                 request_id,
                 why,
             )
-        if answer is Answer.TIMEOUT and not self.book.approver_seen(card.id):
+        if answer is Answer.UNSEEN:
             return Failure(
                 Code.NO_APPROVER,
                 f"No operator was watching for approvals within "

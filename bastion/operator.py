@@ -322,6 +322,7 @@ class Prompt:
                         "withdrawn_locked": "the vault locked",
                         "withdrawn_gone": "its process exited or disconnected",
                         "timeout": "nobody answered in time",
+                        "unseen": "nobody answered in time",
                     }.get(answer, answer)
                     self.say(self.style.warn(f"  {card_id} withdrawn: {why}"))
                 self._show_next()
