@@ -8,7 +8,8 @@ Protocol: one JSON object per line on stdin -> one per line on stdout.
   {"id": N, "argv": [...], "stdin_path": str|null, "env": {...}|null}
   -> {"id": N, "rc": int, "stdout": b64, "stderr": str, "stdout_sha256": str}
 Each request runs in its own thread, so one agent can have several ssh
-calls in flight at once.
+calls in flight at once. {"exec": [...]} replaces the process image (exec),
+keeping its pid and start time.
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ def _run(req: dict) -> None:
 
 
 def main() -> None:
+    with _lock:  # announce every start, including after an exec
+        sys.stdout.write(json.dumps({"id": 0, "ready": os.getpid()}) + "\n")
+        sys.stdout.flush()
     for line in sys.stdin:
-        threading.Thread(target=_run, args=(json.loads(line),), daemon=True).start()
+        req = json.loads(line)
+        if "exec" in req:  # become another program: same pid, same start time (the
+            # caller sends nothing more until the new image says it is ready)
+            sys.stdout.flush()
+            os.execv(req["exec"][0], req["exec"])
+        threading.Thread(target=_run, args=(req,), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -63,10 +63,12 @@ class Result:
 class Agent:
     """A separate, long-lived process that runs ssh commands on request."""
 
-    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Path, env: dict[str, str] | None = None, python: str = sys.executable
+    ) -> None:
         self.config = config
         self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER)],
+            [python, str(HELPER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -76,6 +78,10 @@ class Agent:
         self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self._ready()
+
+    def _ready(self) -> None:
+        self._replies.setdefault(0, queue.Queue()).get(timeout=30)
 
     @property
     def pid(self) -> int:
@@ -125,6 +131,13 @@ class Agent:
             reply["stdout_sha256"],
             reply["stderr"],
         )
+
+    def exec(self, argv: list[str]) -> None:
+        """Replace this agent's program in place (same pid and start time)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"exec": argv}) + "\n")
+        self.proc.stdin.flush()
+        self._ready()
 
     def run(self, command: str | list[str], **kw: Any) -> Result:
         return self.wait(self.start(command, **kw))

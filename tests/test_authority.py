@@ -240,3 +240,42 @@ def test_timeouts_tell_no_approver_from_an_unanswered_card(bastion: Bastion) -> 
     assert bastion.next_card()  # an operator looks, and does not answer
     r = agent.wait(rid)
     assert r.rc == 77 and r.code == "APPROVAL_TIMEOUT"
+
+
+def _python_copy(tmp_path: Path, name: str) -> Path:
+    """A runnable python with another sha256 (ELF ignores trailing bytes)."""
+    copy = tmp_path / name
+    copy.write_bytes(Path(sys.executable).resolve().read_bytes() + name.encode())
+    copy.chmod(0o755)
+    return copy
+
+
+def test_an_exec_into_another_binary_loses_the_approval(bastion: Bastion, tmp_path: Path) -> None:
+    from tests.conftest import HELPER
+
+    agent = bastion.agent()
+    rid = agent.start("true")
+    before = bastion.approve_next()["subject"]
+    assert agent.wait(rid).rc == 0
+    other = _python_copy(tmp_path, "python-other")
+    agent.exec([str(other), str(HELPER)])
+    rid = agent.start("true")
+    card = bastion.next_card()
+    now = card["subject"]
+    assert (now["pid"], now["start_time"]) == (before["pid"], before["start_time"])
+    assert now["exe_sha256"] != before["exe_sha256"] and now["exe"] == str(other)
+    assert card["reason"] == "process_changed"
+    bastion.op("decide", card=card["id"], approve=False)
+    assert agent.wait(rid).code == "SESSION_DENIED"
+
+
+def test_a_deleted_executable_is_reported(bastion: Bastion, tmp_path: Path) -> None:
+    doomed = _python_copy(tmp_path, "python-doomed")
+    agent = Agent(bastion.config, python=str(doomed))
+    bastion.agents.append(agent)
+    doomed.unlink()
+    rid = agent.start("true")
+    card = bastion.next_card()
+    assert card["subject"]["exe_deleted"] is True and card["subject"]["exe_sha256"]
+    bastion.op("decide", card=card["id"], approve=False)
+    assert agent.wait(rid).code == "SESSION_DENIED"
