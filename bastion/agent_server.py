@@ -140,6 +140,7 @@ class AgentListener:
         if peer.uid == os.getuid():
             gw.same_uid_agent_seen = True
         conn = AgentConn(peer=peer, host=header["host"], user=header["user"])
+        gw.connection_opened(conn)
         try:
             await loop.sock_sendall(sock, b"OK\n")
             ssh_conn = await asyncssh.run_server(

@@ -65,7 +65,7 @@ class Settings:
     keepalive_count_max: int = 3
 
 
-@dataclass
+@dataclass(eq=False)
 class AgentConn:
     """One agent ssh connection: who connected, what target it named."""
 
@@ -99,6 +99,7 @@ class Gateway:
         )
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
+        self.connections: set[AgentConn] = set()
         self._watches: dict[tuple[int, float, str], int] = {}
         self._last_policy: str | None = None
         self._stop = asyncio.Event()
@@ -444,16 +445,25 @@ class Gateway:
         log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
         return f"run_{subject.nonce}"
 
+    def connection_opened(self, conn: AgentConn) -> None:
+        self.connections.add(conn)
+
     def connection_closed(self, conn: AgentConn) -> None:
+        self.connections.discard(conn)
         conn.closed = True
         for card_id in list(conn.cards):
             self.book.close_card(card_id, Answer.WITHDRAWN_GONE)
 
     def agent_processes(self) -> set[tuple[int, float]]:
-        """Every process the gateway knows as an agent: operator requests from
-        below any of them are refused."""
-        subjects = list(self.book.subjects()) + [c.subject for c in self.book.pending()]
-        return {(s.pid, s.start_time) for s in subjects}
+        """Every process the gateway knows as an agent -- approved, asking,
+        connected or registered as a run: operator requests from below any of
+        them are refused."""
+        subjects = [
+            *self.book.subjects(),
+            *(c.subject for c in self.book.pending()),
+            *(c.peer.subject for c in self.connections),
+        ]
+        return {(s.pid, s.start_time) for s in subjects} | set(self.resolver.runs)
 
     # -- vault -------------------------------------------------------------------------
 

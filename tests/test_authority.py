@@ -279,3 +279,18 @@ def test_a_deleted_executable_is_reported(bastion: Bastion, tmp_path: Path) -> N
     assert card["subject"]["exe_deleted"] is True and card["subject"]["exe_sha256"]
     bastion.op("decide", card=card["id"], approve=False)
     assert agent.wait(rid).code == "SESSION_DENIED"
+
+
+def test_an_agent_without_a_card_cannot_answer_another_agents_card(bastion: Bastion) -> None:
+    asking = bastion.agent()
+    rid = asking.start("echo asking")
+    card = bastion.next_card()
+    runner = Agent(bastion.config)
+    bastion.agents.append(runner)
+    cli = [sys.executable, "-m", "bastion.cli", "--home", str(bastion.home.root)]
+    # A registered run with no card of its own is still an agent.
+    r = runner.run([], argv=[*cli, "run", "--", *cli, "decide", card["id"], "approve"])
+    assert r.rc == 1 and "agent's process tree" in r.stderr
+    assert [c["id"] for c in bastion.op("pending")] == [card["id"]]
+    bastion.op("decide", card=card["id"], approve=False)
+    assert asking.wait(rid).code == "SESSION_DENIED"

@@ -102,8 +102,7 @@ def world(**changes: object) -> World:
 SESSIONS = {
     "none": (None, None),
     "live": ("live", None),
-    "ended_process": (None, EndReason.PROCESS_CHANGED),
-    "ended_revoked": (None, EndReason.REVOKED),
+    **{f"ended_{r.value}": (None, r) for r in EndReason},
     "stale_boot": ("stale", EndReason.GATEWAY_RESTARTED),
     "stale_epoch": ("stale", EndReason.VAULT_STATE_CHANGED),
     "stale_policy": ("stale", EndReason.POLICY_CHANGED),
