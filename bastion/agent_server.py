@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -24,9 +25,10 @@ from typing import Any
 import asyncssh
 from asyncssh.packet import SSHPacket
 
+from bastion.daemon import NotDispatched
 from bastion.dispatch import Outcome, Streams
 from bastion.errors import Code, Failure
-from bastion.gate import Dispatch, Request
+from bastion.gate import Request
 from bastion.identity import IdentityError
 
 log = logging.getLogger("bastion.agent")
@@ -202,81 +204,56 @@ class _AgentSSH(asyncssh.SSHServer):
 
     async def _serve(self, process: asyncssh.SSHServerProcess[bytes], request_id: str) -> None:
         gw, conn = self.gateway, self.conn
-        chan = process.channel
-        command = getattr(chan, "exact_command", None)
-        if command is None:
-            what = "a subsystem" if process.subsystem else "an interactive shell"
-            return _finish_failure(
-                process,
-                Failure(
-                    Code.UNSUPPORTED_REQUEST,
-                    f"bastion does not open {what}; it runs one command "
-                    "per ssh call: ssh HOST 'COMMAND'. Nothing was sent.",
-                    request_id,
-                ),
-            )
-        if self.ssh_user != conn.user:
-            return _finish_failure(
-                process,
-                Failure(
-                    Code.UNSUPPORTED_REQUEST,
-                    f'The ssh user "{self.ssh_user}" does not match the '
-                    f'user "{conn.user}" given to the proxy; use USER@HOST. Nothing was sent.',
-                    request_id,
-                ),
-            )
+        command: bytes | None = getattr(process.channel, "exact_command", None)
         env = process.env
         conversation = env.get("BASTION_CONVERSATION")
         if conversation is not None:
             conversation = conversation[:MAX_CONVERSATION]
-        req = Request(request_id, conn.host, conn.user, command, conn.peer.subject.key)
+        action_key = env.get("BASTION_ACTION_KEY")
+        action = hashlib.sha256(action_key.encode()).hexdigest() if action_key else None
+        req = Request(
+            request_id, conn.host, conn.user, command or b"", conn.peer.subject.key, action
+        )
+        subject = conn.peer.subject
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",
             request_id,
             conn.user,
             conn.host,
-            conn.peer.subject.pid,
-            conn.peer.subject.exe,
-            len(command),
+            subject.pid,
+            subject.exe,
+            len(req.command),
             req.command_sha256[:16],
         )
+        gw.received(conn, req, conversation)
+        refusal = None
+        if command is None:
+            what = "a subsystem" if process.subsystem else "an interactive shell"
+            refusal = (
+                f"bastion does not open {what}; it runs one command per ssh call: "
+                "ssh HOST 'COMMAND'. Nothing was sent."
+            )
+        elif self.ssh_user != conn.user:
+            refusal = (
+                f'The ssh user "{self.ssh_user}" does not match the user "{conn.user}" '
+                "given to the proxy; use USER@HOST. Nothing was sent."
+            )
+        if refusal is not None:
+            failure = Failure(Code.UNSUPPORTED_REQUEST, refusal, request_id)
+            gw.denied(conn, req, failure)
+            return _finish_failure(process, failure)
+        if action is not None and env.get("BASTION_ACK_UNKNOWN") == "1":
+            gw.acknowledge(action, request_id)
         decided = await gw.authorize(conn, req, conversation)
         if isinstance(decided, Failure):
             gw.denied(conn, req, decided)
             return _finish_failure(process, decided)
-        await self._dispatch(process, req, conversation, decided)
-
-    async def _dispatch(
-        self,
-        process: asyncssh.SSHServerProcess[bytes],
-        req: Request,
-        conversation: str | None,
-        decided: Dispatch,
-    ) -> None:
-        gw, conn = self.gateway, self.conn
-        if decided.command_grant is not None:
-            gw.book.use_command_grant(decided.command_grant.id)
-        epoch = gw.vault.epoch
-
-        async def before_exec() -> None:
-            failure = gw.recheck(conn, req, conversation, decided)
-            if failure is not None:
-                raise _Abort(failure)
-
         streams = Streams(process.stdin, process.stdout, process.stderr)
         try:
-            result = await gw.dispatcher.run(
-                decided.host, decided.account, epoch, req.command, streams, before_exec
-            )
-        except _Abort as abort:
-            gw.denied(conn, req, abort.failure)
-            return _finish_failure(process, abort.failure)
-        log.info(
-            "%s: %s%s",
-            req.request_id,
-            result.outcome.value,
-            f" (exit {result.exit_status})" if result.exit_status is not None else "",
-        )
+            result = await gw.dispatch(conn, req, conversation, decided, streams)
+        except NotDispatched as refused:
+            gw.denied(conn, req, refused.failure)
+            return _finish_failure(process, refused.failure)
         if result.outcome is Outcome.COMPLETED:
             assert result.exit_status is not None
             process.exit(result.exit_status)
@@ -286,12 +263,7 @@ class _AgentSSH(asyncssh.SSHServer):
             process.exit_with_signal(name, core, message, lang)
         else:
             assert result.code is not None
-            _finish_failure(process, Failure(result.code, result.message, req.request_id))
-
-
-class _Abort(Exception):
-    def __init__(self, failure: Failure) -> None:
-        self.failure = failure
+            _finish_failure(process, Failure(result.code, result.message, request_id))
 
 
 def _finish_failure(process: asyncssh.SSHServerProcess[bytes], failure: Failure) -> None:

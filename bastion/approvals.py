@@ -161,7 +161,8 @@ class ApprovalBook:
     _cards: dict[str, _Open] = field(default_factory=dict)
     _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
     _ended: dict[str, EndReason] = field(default_factory=dict)
-    on_change: Callable[[], None] | None = None  # grants began or ended
+    # A session grant began (reason None) or ended (with its reason).
+    on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
     on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -249,7 +250,8 @@ class ApprovalBook:
         key = (card.subject.key, card.host, card.user)
         self._sessions[key] = _Live(grant, card.subject, card.conversation)
         self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, card.user), None)
-        self._changed_grants()
+        if self.on_session is not None:
+            self.on_session(grant, card.subject, None)
         return grant
 
     def session_for(
@@ -281,8 +283,8 @@ class ApprovalBook:
                     reason
                 )
                 ended.append(g.id)
-        if ended:
-            self._changed_grants()
+                if self.on_session is not None:
+                    self.on_session(g, live.subject, reason)
         return ended
 
     def live_match_keys(self) -> list[str]:
@@ -298,10 +300,6 @@ class ApprovalBook:
         """Approvals alive when the last lifetime ended explain the next cards."""
         for key in match_keys:
             self._ended.setdefault(key, EndReason.GATEWAY_RESTARTED)
-
-    def _changed_grants(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
 
     def subjects(self) -> Iterable[Subject]:
         return [live.subject for live in self._sessions.values()]

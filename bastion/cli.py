@@ -124,8 +124,13 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     if not passphrase:
         fail("an empty passphrase is not allowed; nothing was created")
     home.make_dirs()
+    from bastion.journal import IDENTITY_LABEL, write_identity
+
     try:
-        Vault.create(home.vault, passphrase).lock()
+        vault = Vault.create(home.vault, passphrase)
+        vault.generate(IDENTITY_LABEL)  # the journal identity: it signs and reads the audit
+        write_identity(home.journal, vault.private_key(IDENTITY_LABEL).pyca_key)
+        vault.lock()
     except VaultError as exc:
         fail(str(exc))
     key = asyncssh.generate_private_key("ssh-ed25519", comment="bastion-gateway")
@@ -283,6 +288,10 @@ def _key_call(ctx: click.Context, name: str, passphrase_stdin: bool, **args: Any
     from bastion.vault import Vault, VaultError, load_private_key_file
 
     home = home_of(ctx)
+    from bastion.vault import RESERVED_PREFIX
+
+    if str(args.get("label", "")).startswith(RESERVED_PREFIX) and name != "key_public":
+        fail(f"labels starting with {RESERVED_PREFIX!r} are bastion's own; choose another")
     try:
         return operator.call(home.operator_socket, name, **args)
     except operator.GatewayNotRunning:

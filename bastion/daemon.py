@@ -24,9 +24,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
+from cryptography.hazmat.primitives import serialization
 
 from bastion import operator
 from bastion.approvals import Answer, ApprovalBook, Card, CardError, CardKind, escape_command
@@ -39,13 +40,18 @@ from bastion.gate import (
     Dispatch,
     EndReason,
     Request,
+    SessionGrant,
     World,
     decide,
 )
 from bastion.home import Home
 from bastion.identity import Peer, Resolver, Subject, alive
+from bastion.journal import IDENTITY_LABEL, OUTCOMES, Journal, JournalError, read_identity
 from bastion.policy import Policy, PolicyError, PolicyStore, host_key_fingerprint
-from bastion.vault import Vault, VaultError, load_private_key_file
+from bastion.vault import RESERVED_PREFIX, Vault, VaultError, load_private_key_file
+
+if TYPE_CHECKING:
+    from bastion.dispatch import Result
 
 log = logging.getLogger("bastion")
 
@@ -76,8 +82,25 @@ class AgentConn:
     closed: bool = False
 
 
+@dataclass(eq=False)
+class InFlight:
+    """A command that was sent and has no outcome yet."""
+
+    request_id: str
+    process: Any = None  # the asyncssh client process, once the exec request left
+    killed: bool = False
+
+
 def new_request_id() -> str:
     return "req_" + secrets.token_hex(8)
+
+
+class NotDispatched(Exception):
+    """The world changed (or the intent could not be journaled) before the
+    exec request left: nothing was sent."""
+
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
 
 
 class Gateway:
@@ -91,11 +114,11 @@ class Gateway:
         self.policies = PolicyStore(settings.policies)
         self.resolver = Resolver()
         self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
-        self.book.on_change = self._save_lifetime
+        self.book.on_session = self._session_event
         self.book.on_card = self._card_event
         self._watchers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.dispatcher = Dispatcher(
-            self.vault.private_key, settings.keepalive_interval, settings.keepalive_count_max
+            self._credential, settings.keepalive_interval, settings.keepalive_count_max
         )
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
@@ -103,6 +126,71 @@ class Gateway:
         self._watches: dict[tuple[int, float, str], int] = {}
         self._last_policy: str | None = None
         self._stop = asyncio.Event()
+        self.journal = Journal(
+            self.home.journal,
+            read_identity(self.home.journal, self._pinned_identity()),
+            self.boot_id,
+        )
+        self.inflight: dict[str, InFlight] = {}
+        self.unknown_actions: dict[str, str] = {}  # sha256(action key) -> request id
+
+    def _pinned_identity(self) -> bytes | None:
+        """The journal identity's public key as the vault records it, so a
+        swapped identity.json cannot redirect the journal's encryption."""
+        try:
+            line = self.vault.key_info(IDENTITY_LABEL).public_key
+        except VaultError:
+            return None
+        pyca = asyncssh.import_public_key(line).pyca_key
+        return pyca.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    # -- the journal -----------------------------------------------------------------------
+
+    def record(
+        self,
+        type_: str,
+        meta: dict[str, Any],
+        event: dict[str, Any] | None = None,
+        durable: bool = True,
+    ) -> None:
+        """Journal an event. A failure here is loud; before dispatch it is fatal
+        to the request (see `intent`)."""
+        try:
+            self.journal.append(type_, meta, event or {}, durable)
+        except (OSError, JournalError) as exc:
+            log.error("could not journal %s: %s", type_, exc)
+            if type_ == "dispatch_started":
+                raise
+
+    def _recover(self, found: list[Any]) -> None:
+        """Close every intent the last lifetime left open; remember unknown actions."""
+        outcome_of: dict[str, str] = {}
+        action_of: dict[str, str] = {}
+        for r in found:
+            rid = r.meta.get("request_id")
+            if r.type == "request_received" and r.meta.get("action"):
+                action_of[rid] = r.meta["action"]
+            elif r.type == "action_acknowledged":
+                self.unknown_actions.pop(r.meta.get("action"), None)
+            elif rid and r.type in ("dispatch_started", *OUTCOMES):
+                outcome_of[rid] = r.type
+            if r.type == "unknown" and rid in action_of:
+                self.unknown_actions[action_of[rid]] = rid
+            elif r.type in OUTCOMES and rid in action_of:
+                self.unknown_actions.pop(action_of[rid], None)
+        for rid, last in outcome_of.items():
+            if last == "dispatch_started":
+                self.record(
+                    "unknown",
+                    {
+                        "request_id": rid,
+                        "code": Code.STATUS_UNKNOWN.value,
+                        "cause": "gateway_restarted",
+                    },
+                )
+                if rid in action_of:
+                    self.unknown_actions[action_of[rid]] = rid
+                log.warning("%s: was in flight when the last gateway ended: outcome unknown", rid)
 
     # -- state read by the gate ------------------------------------------------------
 
@@ -113,7 +201,9 @@ class Gateway:
             self._last_policy = seen
             if isinstance(current, PolicyError):
                 log.error("policy unavailable: %s", current)
+                self.record("policy_failed", {}, {"error": str(current)})
             else:
+                self.record("policy_loaded", {"digest": current.digest})
                 log.info(
                     "policy loaded: %d host(s), digest %s", len(current.hosts), current.digest[:16]
                 )
@@ -141,6 +231,7 @@ class Gateway:
             ended=ended,
             command_grant=command_grant,
             now=time.time(),
+            action_unknown=self.unknown_actions.get(req.action) if req.action else None,
         )
 
     def isolation(self) -> str:
@@ -299,6 +390,113 @@ class Gateway:
             why,
         )
 
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def dispatch(
+        self,
+        conn: AgentConn,
+        req: Request,
+        conversation: str | None,
+        decided: Dispatch,
+        streams: Any,
+    ) -> Result:
+        """Send a decided command: re-ask the gate, journal the intent durably,
+        exec, relay, and record the outcome as it is known."""
+        from bastion.dispatch import Outcome, Result
+
+        if decided.command_grant is not None:
+            self.book.use_command_grant(decided.command_grant.id)  # before anything is sent
+        flight = InFlight(req.request_id)
+
+        async def intent() -> None:
+            failure = self.recheck(conn, req, conversation, decided)
+            if failure is not None:
+                raise NotDispatched(failure)
+            try:
+                self.record(
+                    "dispatch_started",
+                    {"request_id": req.request_id, "session_id": decided.session.id},
+                )
+            except (OSError, JournalError):
+                raise NotDispatched(
+                    Failure(
+                        Code.INTERNAL,
+                        "The gateway could not record its intent durably, so it did "
+                        "not send the command. Nothing was sent.",
+                        req.request_id,
+                    )
+                ) from None
+            self.inflight[req.request_id] = flight
+
+        def started(process: Any) -> None:
+            flight.process = process
+
+        try:
+            result = await self.dispatcher.run(
+                decided.host,
+                decided.account,
+                self.vault.epoch,
+                req.command,
+                streams,
+                intent,
+                started,
+            )
+        finally:
+            self.inflight.pop(req.request_id, None)
+        if result.outcome is Outcome.UNKNOWN and flight.killed:
+            result = Result(
+                Outcome.UNKNOWN,
+                code=result.code,
+                message="The operator ended this "
+                "command before it reported an exit status; it may or may not have "
+                "finished. Inspect the target before retrying.",
+                cause="killed",
+            )
+        self._record_outcome(req, result)
+        return result
+
+    def _record_outcome(self, req: Request, result: Any) -> None:
+        from bastion.dispatch import Outcome
+
+        meta: dict[str, Any] = {"request_id": req.request_id}
+        if result.outcome is Outcome.COMPLETED:
+            meta["exit_status"] = result.exit_status
+        elif result.outcome is Outcome.SIGNALLED:
+            meta["signal"] = result.signal[0] if result.signal else None
+        else:
+            meta["code"] = result.code.value if result.code else None
+            meta["cause"] = result.cause
+        self.record(result.outcome.value, meta, {"message": result.message})
+        log.info(
+            "%s: %s%s",
+            req.request_id,
+            result.outcome.value,
+            f" (exit {result.exit_status})" if result.exit_status is not None else "",
+        )
+        if req.action is not None:
+            if result.outcome is Outcome.UNKNOWN:
+                self.unknown_actions[req.action] = req.request_id
+            else:
+                self.unknown_actions.pop(req.action, None)
+
+    async def kill(self, request_id: str, grace: float = 2.0) -> None:
+        """Signal the remote command, then close its channel if it does not end."""
+        flight = self.inflight.get(request_id)
+        if flight is None or flight.process is None:
+            return
+        flight.killed = True
+        with contextlib.suppress(OSError, asyncssh.Error):
+            flight.process.send_signal("TERM")
+        try:
+            await asyncio.wait_for(flight.process.wait_closed(), grace)
+        except TimeoutError:
+            flight.process.close()
+
+    def acknowledge(self, action: str, request_id: str) -> None:
+        """The agent says it inspected the target after an unknown outcome."""
+        if self.unknown_actions.pop(action, None) is not None:
+            self.record("action_acknowledged", {"action": action, "request_id": request_id})
+
     def recheck(
         self, conn: AgentConn, req: Request, conversation: str | None, decided: Dispatch
     ) -> Failure | None:
@@ -325,16 +523,63 @@ class Gateway:
             q.put_nowait(event)
 
     def _card_event(self, card: Card, answer: Answer | None) -> None:
+        meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
         if answer is None:
             if self._watchers:
                 self.book.note_operator()  # somebody is looking at it right now
+            self.record("card_raised", meta, {"card": card.as_json()}, durable=False)
             self.publish({"event": "card", "card": card.as_json()})
         else:
+            self.record("card_closed", {**meta, "answer": answer.value}, durable=False)
             self.publish({"event": "closed", "card": card.id, "answer": answer.value})
+
+    def _session_event(
+        self, grant: SessionGrant, subject: Subject, reason: EndReason | None
+    ) -> None:
+        self._save_lifetime()
+        if reason is None:
+            self.record(
+                "session_approved",
+                {"session_id": grant.id},
+                {
+                    "host": grant.host,
+                    "user": grant.user,
+                    "subject": subject.as_json(),
+                    "vault_epoch": grant.vault_epoch,
+                    "entry_digest": grant.entry_digest,
+                },
+            )
+        else:
+            self.record("session_ended", {"session_id": grant.id, "reason": reason.value})
+
+    def received(self, conn: AgentConn, req: Request, conversation: str | None) -> None:
+        self.record(
+            "request_received",
+            {
+                "request_id": req.request_id,
+                "command_sha256": req.command_sha256,
+                "action": req.action,
+            },
+            {
+                "host": req.host,
+                "user": req.user,
+                "command": req.command.decode("utf-8", "backslashreplace"),
+                "subject": conn.peer.subject.as_json(),
+                "conversation": conversation,
+                "chain": [p.pid for p in conn.peer.chain],
+            },
+            durable=False,
+        )
 
     def denied(self, conn: AgentConn, req: Request, failure: Failure) -> None:
         subject = conn.peer.subject
         log.info("%s: denied %s", req.request_id, failure.code.value)
+        self.record(
+            "denied",
+            {"request_id": req.request_id, "code": failure.code.value},
+            {"message": failure.message},
+            durable=False,
+        )
         self.notice(
             f"denied {failure.code.value}: pid {subject.pid} "
             f"({os.path.basename(subject.exe)}) asked for {req.user}@{req.host}; "
@@ -442,6 +687,9 @@ class Gateway:
             label,
         )
         self._loop.call_soon_threadsafe(self.watch, subject)
+        self._loop.call_soon_threadsafe(
+            lambda: self.record("run_registered", {}, {"subject": subject.as_json()})
+        )
         log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
         return f"run_{subject.nonce}"
 
@@ -472,6 +720,7 @@ class Gateway:
         answer = Answer.WITHDRAWN_LOCKED
         withdrawn = self.book.withdraw(lambda c: True, answer)
         self.dispatcher.retire_all()
+        self.record("vault_locked" if locked else "vault_unlocked", {"epoch": self.vault.epoch})
         log.info(
             "vault %s (epoch %d): %d session(s) ended, %d card(s) withdrawn",
             "locked" if locked else "unlocked",
@@ -491,6 +740,8 @@ class Gateway:
             "decide": self.op_decide,
             "sessions": self.op_sessions,
             "revoke": self.op_revoke,
+            "kill": self.op_kill,
+            "audit": self.op_audit,
             "key_list": self.op_key_list,
             "key_generate": self.op_key_generate,
             "key_import": self.op_key_import,
@@ -527,12 +778,38 @@ class Gateway:
         except VaultError as exc:
             raise operator.OperatorError(str(exc)) from None
         self._vault_changed(locked=False)
+        try:
+            self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
+        except (VaultError, OSError, JournalError) as exc:
+            log.error("could not certify this lifetime's journal key: %s", exc)
         return {"locked": False, "vault_epoch": self.vault.epoch}
 
-    async def op_lock(self, _: dict[str, Any]) -> dict[str, Any]:
+    async def op_lock(self, args: dict[str, Any]) -> dict[str, Any]:
         self.vault.lock()
         self._vault_changed(locked=True)
-        return {"locked": True, "vault_epoch": self.vault.epoch}
+        ended: list[str] = []
+        if args.get("terminate"):
+            ended = list(self.inflight)
+            self.record("operator_terminate", {"requests": ended})
+            await asyncio.gather(*(self.kill(rid) for rid in ended))
+        return {"locked": True, "vault_epoch": self.vault.epoch, "terminated": ended}
+
+    async def op_kill(self, args: dict[str, Any]) -> dict[str, Any]:
+        rid = str(args.get("request", ""))
+        if rid not in self.inflight:
+            raise operator.OperatorError(f"{rid} is not in flight (see `bastion request {rid}`)")
+        self.record("operator_kill", {"request_id": rid})
+        await self.kill(rid)
+        return {"killed": rid}
+
+    async def op_audit(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        from bastion import journal
+
+        view = {"activity": journal.activity, "sessions": journal.sessions}.get(args.get("view"))
+        if view is None:
+            raise operator.OperatorError("unknown audit view")
+        identity = self._vault_call(lambda: self.vault.private_key(IDENTITY_LABEL)).pyca_key
+        return view(journal.decrypt(journal.records(self.home.journal), identity))
 
     async def op_pending(self, args: dict[str, Any]) -> list[dict[str, Any]]:
         self.book.note_operator()
@@ -591,12 +868,27 @@ class Gateway:
     async def op_key_list(self, _: dict[str, Any]) -> list[dict[str, Any]]:
         return [k.__dict__ for k in self._vault_call(self.vault.keys)]
 
+    @staticmethod
+    def _user_label(args: dict[str, Any]) -> str:
+        label = str(args.get("label", ""))
+        if label.startswith(RESERVED_PREFIX):
+            raise operator.OperatorError(
+                f"labels starting with {RESERVED_PREFIX!r} are bastion's own; choose another"
+            )
+        return label
+
+    def _credential(self, label: str) -> asyncssh.SSHKey:
+        """A key for an outbound connection -- never one of bastion's own."""
+        if label.startswith(RESERVED_PREFIX):
+            raise VaultError(f"{label!r} is reserved for bastion and cannot be a credential")
+        return self.vault.private_key(label)
+
     async def op_key_generate(self, args: dict[str, Any]) -> dict[str, Any]:
-        label, alg = str(args.get("label", "")), str(args.get("algorithm") or "ssh-ed25519")
+        label, alg = self._user_label(args), str(args.get("algorithm") or "ssh-ed25519")
         return self._vault_call(lambda: self.vault.generate(label, alg)).__dict__
 
     async def op_key_import(self, args: dict[str, Any]) -> dict[str, Any]:
-        label, data = str(args.get("label", "")), str(args.get("private_key", "")).encode()
+        label, data = self._user_label(args), str(args.get("private_key", "")).encode()
         key = self._vault_call(lambda: load_private_key_file(data, None))
         return self._vault_call(lambda: self.vault.add(label, key)).__dict__
 
@@ -604,7 +896,7 @@ class Gateway:
         return self._vault_call(lambda: self.vault.key_info(str(args.get("label", "")))).__dict__
 
     async def op_key_remove(self, args: dict[str, Any]) -> dict[str, Any]:
-        label = str(args.get("label", ""))
+        label = self._user_label(args)
         self._vault_call(lambda: self.vault.remove(label))
         return {"removed": label}
 
@@ -623,6 +915,7 @@ class Gateway:
         with contextlib.suppress(operator.OperatorError):
             operator.call(home.operator_socket, "status", timeout=2)
             raise SystemExit(f"bastion: a gateway is already running for {home.root}")
+        self._recover(self.journal.open())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
@@ -658,6 +951,8 @@ class Gateway:
             op_server.close()
             self.dispatcher.close_all()
             self.vault.lock()
+            self.record("gateway_stopped", {})
+            self.journal.close()
             for path in (home.operator_socket, self.settings.agent_socket):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

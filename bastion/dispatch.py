@@ -45,6 +45,7 @@ class Result:
     signal: tuple[str, bool, str, str] | None = None  # (name, core dumped, message, lang)
     code: Code | None = None  # the §4 code when the gateway must explain the ending
     message: str = ""
+    cause: str | None = None  # for not_started / unknown: what is known of why
 
 
 class NotStarted(Exception):
@@ -214,21 +215,30 @@ class Dispatcher:
         command: bytes,
         agent: Streams,
         before_exec: Callable[[], Awaitable[None]],
+        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
     ) -> Result:
-        """Connect, record the intent (`before_exec`), exec, relay, classify."""
+        """Connect, record the intent (`before_exec`, which refuses by raising),
+        exec, relay, classify."""
         try:
             conn = await self.connection(host, account, vault_epoch)
         except NotStarted as exc:
-            return Result(Outcome.NOT_STARTED, code=exc.code, message=exc.message)
+            return Result(
+                Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
+            )
         self._active[conn] = self._active.get(conn, 0) + 1
         try:
             await before_exec()
-            return await self._exec(host, conn, command, agent)
+            return await self._exec(host, conn, command, agent, on_exec)
         finally:
             self._release(conn)
 
     async def _exec(
-        self, host: Host, conn: asyncssh.SSHClientConnection, command: bytes, agent: Streams
+        self,
+        host: Host,
+        conn: asyncssh.SSHClientConnection,
+        command: bytes,
+        agent: Streams,
+        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
     ) -> Result:
         try:
             proc = await conn.create_process(command, encoding=None)  # type: ignore[arg-type]
@@ -238,15 +248,18 @@ class Dispatcher:
                     Outcome.REMOTE_REJECTED,
                     code=Code.UNREACHABLE,
                     message=f'"{host.alias}" refused to start the command; it did not run.',
+                    cause="exec_refused",
                 )
             return Result(
                 Outcome.NOT_STARTED,
                 code=Code.UNREACHABLE,
                 message=f'"{host.alias}" refused a new session ({exc.reason}); nothing ran. '
                 "It is safe to retry later.",
+                cause="session_refused",
             )
         except (OSError, asyncssh.Error) as exc:
             return _unknown(host, f"the connection failed while the command was sent: {exc}")
+        on_exec(proc)
         return await _relay(host, proc, agent)
 
 
@@ -297,6 +310,7 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
 def _unknown(host: Host, why: str) -> Result:
     return Result(
         Outcome.UNKNOWN,
+        cause="connection_lost",
         code=Code.STATUS_UNKNOWN,
         message=f'The command was sent to "{host.alias}" but {why}. It may or may not have run: '
         "inspect the target before retrying.",

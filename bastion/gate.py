@@ -84,6 +84,7 @@ class Request:
     user: str
     command: bytes
     subject_key: SubjectKey
+    action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
 
     @property
     def command_sha256(self) -> str:
@@ -103,6 +104,7 @@ class World:
     ended: EndReason | None  # why the last grant of a matching subject ended
     command_grant: CommandGrant | None  # the grant this request's command card produced
     now: float
+    action_unknown: str | None = None  # the request whose outcome blocks this action key
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,14 @@ def decide(req: Request, world: World) -> Verdict:
     check = check_command(account, req.command.decode("utf-8"))
     if not check.allowed:
         return Deny(Code.POLICY_DENIED, f"Policy denies this command: {check.reason}. {_NOT_SENT}")
+    # 3b. The agent's logical action ended unknown last time: look before acting again.
+    if world.action_unknown is not None:
+        return Deny(
+            Code.ACTION_OUTCOME_UNKNOWN,
+            f"The last attempt of this action ({world.action_unknown}) ended with an unknown "
+            "outcome: it may or may not have run. Inspect the target; to send it anyway, "
+            f"repeat with SetEnv BASTION_ACK_UNKNOWN=1. {_NOT_SENT}",
+        )
     # 4 + 6. A live session grant, valid in this lifetime, epoch and policy entry.
     digest = entry_digest(host, account)
     if not world.subject_alive:

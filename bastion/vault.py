@@ -50,6 +50,9 @@ MAX_KEY_FILE = 1 << 20
 _VERIFIER = b"bastion vault passphrase verifier"
 
 
+RESERVED_PREFIX = "bastion-"  # labels bastion keeps for itself (the journal identity)
+
+
 class VaultError(Exception):
     """A vault failure a person can act on; never carries secret bytes."""
 
@@ -435,23 +438,44 @@ class Vault:
             if cached is not None:
                 return cached
             try:
-                plain = ChaCha20Poly1305(self._unlocked_key()).decrypt(
-                    rec.nonce, rec.ciphertext, _record_ad(rec.info)
-                )
+                key = self._open_record(self._unlocked_key(), rec)
             except InvalidTag:
                 self._unlocked_key(doc)  # a re-keyed vault is not tampering: say so
                 raise VaultError(
                     f"key {label!r} in the vault {self.path}: record tampered "
                     "or corrupt (authentication failed)"
                 ) from None
-            key = asyncssh.import_private_key(plain)
-            if key.export_public_key("openssh").decode().strip() != rec.info.public_key:
-                raise VaultError(
-                    f"key {label!r} in the vault {self.path}: record tampered "
-                    "(private key does not match its public key)"
-                )
             self._cache[(label, rec.info.public_key)] = key
             return key
+
+    def _open_record(self, key: bytearray, rec: _Record) -> asyncssh.SSHKey:
+        """Decrypt one record and check it against its public line (InvalidTag if
+        the AEAD fails)."""
+        plain = ChaCha20Poly1305(bytes(key)).decrypt(
+            rec.nonce, rec.ciphertext, _record_ad(rec.info)
+        )
+        private = asyncssh.import_private_key(plain)
+        if private.export_public_key("openssh").decode().strip() != rec.info.public_key:
+            raise VaultError(
+                f"key {rec.info.label!r} in the vault {self.path}: record tampered "
+                "(private key does not match its public key)"
+            )
+        return private
+
+    def read_private_key(self, passphrase: bytes, label: str) -> asyncssh.SSHKey:
+        """One key, for one offline read (e.g. `bastion audit activity` with no
+        gateway running): no epoch change, nothing kept unlocked."""
+        doc = self._load()
+        rec = self._record(doc, label)
+        key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
+        try:
+            if not _matches(key, doc):
+                raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
+            return self._open_record(key, rec)
+        except InvalidTag:
+            raise VaultError(f"key {label!r} in the vault {self.path}: record tampered") from None
+        finally:
+            key[:] = bytes(len(key))
 
     def verify_passphrase(self, passphrase: bytes) -> bool:
         doc = self._load()

@@ -222,3 +222,11 @@ def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: 
 def test_a_locked_vault_wins_over_everything() -> None:
     verdict = decide(request(b"echo \xff", host="db9"), world(locked=True))
     assert isinstance(verdict, Deny) and verdict.code is Code.VAULT_LOCKED
+
+
+def test_an_action_with_an_unknown_outcome_is_refused_before_any_card() -> None:
+    verdict = decide(request(), world(action_unknown="req_9"))
+    assert isinstance(verdict, Deny) and verdict.code is Code.ACTION_OUTCOME_UNKNOWN
+    assert "req_9" in verdict.message and "BASTION_ACK_UNKNOWN=1" in verdict.message
+    locked = decide(request(), world(action_unknown="req_9", locked=True))
+    assert isinstance(locked, Deny) and locked.code is Code.VAULT_LOCKED

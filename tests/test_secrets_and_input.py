@@ -91,9 +91,10 @@ def test_duplicate_label_and_malformed_key_file_change_nothing(
     r = bastion.cli("key", "import", "other", str(junk), check=False)
     assert r.returncode == 1 and "private key" in r.stderr and "SECRETISHJUNK" not in r.stderr
     assert bastion.home.vault.read_bytes() == before
-    assert [k["label"] for k in json.loads(bastion.cli("key", "list", "--json").stdout)] == [
-        "deploy-key"
-    ]
+    labels = [k["label"] for k in json.loads(bastion.cli("key", "list", "--json").stdout)]
+    assert labels == ["bastion-journal", "deploy-key"]
+    r = bastion.cli("key", "remove", "bastion-journal", check=False)
+    assert r.returncode == 1 and "bastion's own" in r.stderr
 
 
 def _ssh_direct(bastion: Bastion, command: list[bytes]) -> subprocess.CompletedProcess[bytes]:

@@ -1,0 +1,618 @@
+"""The audit journal: encrypted, signed, hash-chained, verifiable offline.
+
+Each line of a `*.jsonl` segment is one record:
+
+    {"seq", "boot", "type", "meta", "ct", "hash", "sig"}
+
+* `type` and `meta` are plaintext on purpose, and hold no secret: request
+  ids, codes, exit statuses, digests. They let a *locked* gateway find a
+  `dispatch_started` with no outcome at start, and let `bastion request` and
+  `audit verify` work with no passphrase.
+* `ct` is the event itself (commands, subjects, hosts...), encrypted with a
+  per-boot key: an ephemeral X25519 key agreed with the journal's public
+  encryption key (HKDF), ChaCha20-Poly1305 with the seq as nonce and the
+  plaintext fields as associated data. Only the journal identity (in the
+  vault) can read it.
+* `hash = sha256(prev_hash ‖ seq ‖ canonical(seq, boot, type, meta, ct))` --
+  the plaintext fields are chained too, so an outcome cannot be relabelled.
+* `sig` signs `hash` with the boot's Ed25519 key, which lives only in the
+  gateway's memory. At every unlock the journal identity key certifies the
+  boot key *together with the current head hash*: one certification covers
+  every record before it, so a chain rebuilt from the public key alone fails
+  at the first certification it cannot reproduce.
+
+A head anchor (`head.json`) and `--expect-head` catch truncation; a torn last
+line (a crash mid-write) is reported by `verify` and, at the next start, moved
+aside into `torn-*.bin` and journaled -- never silently dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+FORMAT = "bastion-journal-1"
+IDENTITY_LABEL = "bastion-journal"  # the vault key that is the journal identity
+SEGMENT_MAX = 8 * 1024 * 1024
+GENESIS = bytes(32)
+_RAW = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+class JournalError(Exception):
+    """The journal cannot be used as asked; the message says why."""
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(secret)
+
+
+def encryption_key(identity: Ed25519PrivateKey) -> X25519PrivateKey:
+    """The journal's X25519 key, derived from the identity so the vault holds one secret."""
+    seed = identity.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    return X25519PrivateKey.from_private_bytes(_hkdf(seed, b"bastion-journal-encryption-v1"))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The journal's public keys, from `identity.json`, checked against each other."""
+
+    signing: Ed25519PublicKey
+    encryption: X25519PublicKey
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.signing.public_bytes(*_RAW)).hexdigest()[:32]
+
+
+def write_identity(directory: Path, identity: Ed25519PrivateKey) -> Identity:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    signing = identity.public_key()
+    enc = encryption_key(identity).public_key().public_bytes(*_RAW)
+    doc = {
+        "format": FORMAT,
+        "signing": _b64(signing.public_bytes(*_RAW)),
+        "encryption": _b64(enc),
+        "sig": _b64(identity.sign(b"bastion-journal-identity-v1" + enc)),
+    }
+    path = directory / "identity.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    os.chmod(path, 0o600)
+    return Identity(signing, X25519PublicKey.from_public_bytes(enc))
+
+
+def read_identity(directory: Path, expect_signing: bytes | None = None) -> Identity:
+    """Load and check `identity.json`; `expect_signing` pins it (e.g. from the vault)."""
+    path = directory / "identity.json"
+    try:
+        doc = json.loads(path.read_text())
+        signing_raw, enc = _unb64(doc["signing"]), _unb64(doc["encryption"])
+        signing = Ed25519PublicKey.from_public_bytes(signing_raw)
+        signing.verify(_unb64(doc["sig"]), b"bastion-journal-identity-v1" + enc)
+        encryption = X25519PublicKey.from_public_bytes(enc)
+    except FileNotFoundError:
+        raise JournalError(f"no journal identity at {path}; run `bastion init`") from None
+    except (OSError, ValueError, KeyError, TypeError, InvalidSignature) as exc:
+        raise JournalError(f"{path} is not a valid journal identity ({exc})") from None
+    if expect_signing is not None and signing_raw != expect_signing:
+        raise JournalError(f"{path} does not match the journal identity in the vault")
+    return Identity(signing, encryption)
+
+
+# -- records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    seq: int
+    boot: str
+    type: str
+    meta: dict[str, Any]
+    ct: str
+    hash: str
+    sig: str
+
+    @property
+    def header(self) -> bytes:
+        """What the AEAD binds and the chain covers besides the ciphertext."""
+        return _canonical(
+            {"seq": self.seq, "boot": self.boot, "type": self.type, "meta": self.meta}
+        )
+
+    def body(self) -> bytes:
+        return _canonical(
+            {
+                "seq": self.seq,
+                "boot": self.boot,
+                "type": self.type,
+                "meta": self.meta,
+                "ct": self.ct,
+            }
+        )
+
+    def line(self) -> bytes:
+        return (
+            _canonical(
+                {
+                    "seq": self.seq,
+                    "boot": self.boot,
+                    "type": self.type,
+                    "meta": self.meta,
+                    "ct": self.ct,
+                    "hash": self.hash,
+                    "sig": self.sig,
+                }
+            )
+            + b"\n"
+        )
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def chain_hash(prev: bytes, seq: int, body: bytes) -> bytes:
+    return hashlib.sha256(prev + seq.to_bytes(8, "big") + body).digest()
+
+
+def _nonce(seq: int) -> bytes:
+    return seq.to_bytes(12, "big")
+
+
+def _boot_key(shared: bytes, boot: str) -> bytes:
+    return _hkdf(shared, b"bastion-journal-record-v1" + boot.encode())
+
+
+def _cert_message(boot: str, boot_key: bytes, head: bytes) -> bytes:
+    return b"bastion-journal-cert-v1\0" + boot.encode() + b"\0" + boot_key + head
+
+
+def segments(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.jsonl"))
+
+
+@dataclass
+class Line:
+    """One raw line of a segment, parsed if it could be."""
+
+    path: Path
+    number: int
+    raw: bytes
+    record: Record | None
+    torn: bool = False  # no newline at the end of the last line
+
+
+def read_lines(directory: Path) -> Iterator[Line]:
+    segs = segments(directory)
+    for si, path in enumerate(segs):
+        data = path.read_bytes()
+        parts = data.split(b"\n")
+        last_has_newline = data.endswith(b"\n") or not data
+        if last_has_newline:
+            parts = parts[:-1]
+        for i, raw in enumerate(parts):
+            torn = si == len(segs) - 1 and i == len(parts) - 1 and not last_has_newline
+            yield Line(path, i + 1, raw, None if torn else _parse(raw), torn)
+
+
+def _parse(raw: bytes) -> Record | None:
+    try:
+        d = json.loads(raw)
+        r = Record(
+            int(d["seq"]),
+            str(d["boot"]),
+            str(d["type"]),
+            dict(d["meta"]),
+            str(d["ct"]),
+            str(d["hash"]),
+            str(d["sig"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+    return r if r.line() == raw + b"\n" else None  # only the canonical form is a record
+
+
+def records(directory: Path) -> Iterator[Record]:
+    """Every well-formed record, in file order (views tolerate damage; verify does not)."""
+    for line in read_lines(directory):
+        if line.record is not None:
+            yield line.record
+
+
+# -- the writer ---------------------------------------------------------------------------
+
+
+class Journal:
+    """Appends records for one gateway lifetime. Works while the vault is
+    locked: encryption needs only the public key, signing only the boot key."""
+
+    def __init__(self, directory: Path, identity: Identity, boot: str) -> None:
+        self.directory = directory
+        self.identity = identity
+        self.boot = boot
+        self._boot_signing = Ed25519PrivateKey.generate()
+        ephemeral = X25519PrivateKey.generate()
+        self._epk = ephemeral.public_key().public_bytes(*_RAW)
+        self._aead = ChaCha20Poly1305(_boot_key(ephemeral.exchange(identity.encryption), boot))
+        self.seq = 0
+        self.head = GENESIS
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self.fsyncs = 0
+
+    # opening -------------------------------------------------------------------------
+
+    def open(self) -> list[Record]:
+        """Find the head, set a torn tail aside, start this boot. Returns the
+        records found (for recovery: outcomes, action keys)."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found: list[Record] = []
+        torn: Line | None = None
+        for line in read_lines(self.directory):
+            if line.torn or line.record is None:
+                torn = line if line.torn else torn
+                continue
+            found.append(line.record)
+        if found:
+            self.seq, self.head = found[-1].seq, bytes.fromhex(found[-1].hash)
+        if torn is not None:
+            self._set_aside(torn)
+        segs = segments(self.directory)
+        self._open_segment(segs[-1] if segs else None)
+        self.append(
+            "boot",
+            {
+                "boot_key": _b64(self._boot_signing.public_key().public_bytes(*_RAW)),
+                "epk": _b64(self._epk),
+            },
+            {"pid": os.getpid()},
+        )
+        if torn is not None:
+            self.append(
+                "torn_tail",
+                {
+                    "bytes": len(torn.raw),
+                    "file": torn.path.name,
+                    "sha256": hashlib.sha256(torn.raw).hexdigest(),
+                },
+                {},
+            )
+        return found
+
+    def _set_aside(self, torn: Line) -> None:
+        """A crash cut the last line short: keep its bytes, cut it from the segment."""
+        aside = self.directory / f"torn-{int(time.time())}-{secrets.token_hex(3)}.bin"
+        aside.write_bytes(torn.raw)
+        size = torn.path.stat().st_size
+        with open(torn.path, "r+b") as f:
+            f.truncate(size - len(torn.raw))
+            os.fsync(f.fileno())
+
+    def _open_segment(self, path: Path | None) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        if path is None or path.stat().st_size >= SEGMENT_MAX:
+            path = self.directory / f"{self.seq + 1:012d}.jsonl"
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    # appending -----------------------------------------------------------------------
+
+    def append(
+        self, type_: str, meta: dict[str, Any], event: dict[str, Any], durable: bool = True
+    ) -> Record:
+        """Write one record; with `durable`, it is on disk when this returns."""
+        if self._fd is None:
+            raise JournalError("the journal is not open")
+        seq = self.seq + 1
+        header = _canonical({"seq": seq, "boot": self.boot, "type": type_, "meta": meta})
+        event = {"t": time.time(), **event}
+        ct = _b64(self._aead.encrypt(_nonce(seq), _canonical(event), header))
+        unsigned = Record(seq, self.boot, type_, meta, ct, "", "")
+        digest = chain_hash(self.head, seq, unsigned.body())
+        record = Record(
+            seq, self.boot, type_, meta, ct, digest.hex(), _b64(self._boot_signing.sign(digest))
+        )
+        line = record.line()
+        if os.write(self._fd, line) != len(line):
+            raise JournalError("short write to the journal")
+        if durable:
+            os.fdatasync(self._fd)
+            self.fsyncs += 1
+        self.seq, self.head = seq, digest
+        self._write_head()
+        if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:
+            self._open_segment(None)
+        return record
+
+    def _write_head(self) -> None:
+        tmp = self.directory / "head.json.tmp"
+        tmp.write_text(json.dumps({"seq": self.seq, "hash": self.head.hex()}))
+        os.replace(tmp, self.directory / "head.json")
+
+    def certify(self, identity: Ed25519PrivateKey) -> Record:
+        """Vouch for this boot's key and, through the chain, for everything so far."""
+        boot_key = self._boot_signing.public_key().public_bytes(*_RAW)
+        cert = identity.sign(_cert_message(self.boot, boot_key, self.head))
+        return self.append(
+            "certify", {"boot_key": _b64(boot_key), "head": self.head.hex(), "cert": _b64(cert)}, {}
+        )
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+
+def head(directory: Path) -> tuple[int, str]:
+    """The last record's (seq, hash), as read from the records themselves."""
+    last = None
+    for last in records(directory):  # noqa: B007 - the last one is the head
+        pass
+    return (last.seq, last.hash) if last else (0, GENESIS.hex())
+
+
+# -- verify -------------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    records: int = 0
+    problem: str | None = None  # the first bad record, named, and why
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "records": self.records,
+            "problem": self.problem,
+            "notes": self.notes,
+        }
+
+
+def verify(
+    directory: Path, identity: Identity, expect_head: str | None = None, strict: bool = False
+) -> Verdict:
+    """Check every record: order, chain, signatures, certifications, head.
+
+    Needs no passphrase and no gateway: only public keys are involved.
+    """
+    v = Verdict(ok=True)
+
+    def bad(line: Line | None, why: str) -> Verdict:
+        where = f"{line.path.name}:{line.number}" if line else "journal"
+        seq = f" (seq {line.record.seq})" if line and line.record else ""
+        v.ok, v.problem = False, f"{where}{seq}: {why}"
+        return v
+
+    boot_keys: dict[str, Ed25519PublicKey] = {}
+    prev, expected, certified_to = GENESIS, 1, 0
+    found_head = expect_head is None
+    last_line: Line | None = None
+    for line in read_lines(directory):
+        last_line = line
+        if line.torn:
+            return bad(line, "torn: the last line is incomplete (the gateway stopped mid-write)")
+        r = line.record
+        if r is None:
+            return bad(line, "edited: not a well-formed record")
+        if r.seq < expected:
+            return bad(line, f"reordered: seq {r.seq} after {expected - 1}")
+        if r.seq > expected:
+            return bad(line, f"deleted: seq {expected}..{r.seq - 1} missing")
+        digest = chain_hash(prev, r.seq, r.body())
+        if digest.hex() != r.hash:
+            return bad(line, "edited: its content or its place in the chain changed")
+        if r.type == "boot":
+            try:
+                boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
+            except (KeyError, ValueError):
+                return bad(line, "edited: malformed boot record")
+        key = boot_keys.get(r.boot)
+        if key is None:
+            return bad(line, f"unsigned: boot {r.boot} never announced its key")
+        try:
+            key.verify(_unb64(r.sig), digest)
+        except (InvalidSignature, ValueError):
+            return bad(line, "bad signature")
+        if r.type == "certify":
+            try:
+                boot_key = _unb64(r.meta["boot_key"])
+                if boot_key != key.public_bytes(*_RAW) or r.meta["head"] != prev.hex():
+                    raise ValueError("certifies another key or head")
+                identity.signing.verify(
+                    _unb64(r.meta["cert"]), _cert_message(r.boot, boot_key, prev)
+                )
+            except (KeyError, ValueError, InvalidSignature):
+                return bad(
+                    line,
+                    "bad signature: the certification does not verify with the "
+                    "journal identity (a rebuilt or re-signed chain)",
+                )
+            certified_to = r.seq
+        if expect_head is not None and r.hash == expect_head:
+            found_head = True
+        prev, expected = digest, expected + 1
+        v.records += 1
+    if v.records and certified_to == 0:
+        return bad(
+            last_line,
+            "unsigned: no record was ever certified by the journal identity "
+            "(unlock the gateway once to certify its journal)",
+        )
+    anchor = directory / "head.json"
+    if anchor.exists():
+        try:
+            h = json.loads(anchor.read_text())
+            if int(h["seq"]) > v.records:
+                return bad(
+                    last_line,
+                    f"truncated: head.json names seq {h['seq']}, the journal ends at {v.records}",
+                )
+        except (ValueError, KeyError, TypeError):
+            v.notes.append("head.json is unreadable")
+    if not found_head:
+        return bad(last_line, f"truncated: no record has the expected head hash {expect_head}")
+    uncovered = v.records - certified_to
+    if uncovered:
+        v.notes.append(
+            f"{uncovered} record(s) after seq {certified_to} are signed by their "
+            "boot key but not yet certified (certified at the next unlock)"
+        )
+        if strict:
+            return bad(last_line, "unsigned: uncertified records at the end (--strict)")
+    return v
+
+
+# -- views (need the journal identity's private key) -----------------------------------------
+
+
+def decrypt(
+    recs: Iterable[Record], identity: Ed25519PrivateKey
+) -> Iterator[tuple[Record, dict[str, Any]]]:
+    """Each record with its event, readable only with the identity key."""
+    enc = encryption_key(identity)
+    aeads: dict[str, ChaCha20Poly1305] = {}
+    for r in recs:
+        if r.type == "boot":
+            with contextlib.suppress(KeyError, ValueError):
+                epk = X25519PublicKey.from_public_bytes(_unb64(r.meta["epk"]))
+                aeads[r.boot] = ChaCha20Poly1305(_boot_key(enc.exchange(epk), r.boot))
+        aead = aeads.get(r.boot)
+        event: dict[str, Any] = {}
+        if aead is not None:
+            with contextlib.suppress(InvalidTag, ValueError):
+                event = json.loads(aead.decrypt(_nonce(r.seq), _unb64(r.ct), r.header))
+        yield r, event
+
+
+OUTCOMES = {"completed", "signalled", "remote_rejected", "unknown", "not_started"}
+
+
+def activity(events: Iterable[tuple[Record, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per request: what was asked, by whom, and how it ended."""
+    rows: dict[str, dict[str, Any]] = {}
+    for r, e in events:
+        rid = r.meta.get("request_id")
+        if not rid:
+            continue
+        if r.type == "request_received":
+            rows[rid] = {
+                "request_id": rid,
+                "session_id": None,
+                "host": e.get("host"),
+                "user": e.get("user"),
+                "command": e.get("command"),
+                "command_sha256": r.meta.get("command_sha256"),
+                "outcome": "in_flight",
+                "code": None,
+                "exit_status": None,
+                "cause": None,
+                "subject": e.get("subject"),
+                "received_at": e.get("t"),
+            }
+            continue
+        row = rows.get(rid)
+        if row is None:
+            continue
+        if r.type == "denied":
+            row.update(outcome="denied", code=r.meta.get("code"))
+        elif r.type == "dispatch_started":
+            row.update(session_id=r.meta.get("session_id"), outcome="in_flight")
+        elif r.type in OUTCOMES:
+            row.update(
+                outcome=r.type,
+                code=r.meta.get("code"),
+                exit_status=r.meta.get("exit_status"),
+                cause=r.meta.get("cause"),
+            )
+    return list(rows.values())
+
+
+def sessions(events: Iterable[tuple[Record, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per session approval: when it began, when and why it ended."""
+    rows: dict[str, dict[str, Any]] = {}
+    for r, e in events:
+        sid = r.meta.get("session_id")
+        if r.type == "session_approved" and sid:
+            rows[sid] = {
+                "session_id": sid,
+                "host": e.get("host"),
+                "user": e.get("user"),
+                "subject": e.get("subject"),
+                "approved_at": e.get("t"),
+                "ended_at": None,
+                "end_reason": None,
+            }
+        elif r.type == "session_ended" and sid in rows:
+            rows[sid].update(ended_at=e.get("t"), end_reason=r.meta.get("reason"))
+        elif r.type == "boot":  # a new lifetime ends every approval of the last one
+            for row in rows.values():
+                if row["end_reason"] is None:
+                    row.update(ended_at=e.get("t"), end_reason="gateway_restarted")
+    return list(rows.values())
+
+
+def request_state(
+    recs: Iterable[Record], request_id: str, live_boot: str | None
+) -> dict[str, Any] | None:
+    """What became of one request, from plaintext metadata alone."""
+    state: dict[str, Any] | None = None
+    boot = None
+    for r in recs:
+        if r.meta.get("request_id") != request_id:
+            continue
+        if r.type == "request_received":
+            state = {
+                "request_id": request_id,
+                "state": "in_flight",
+                "exit_status": None,
+                "code": None,
+            }
+            boot = r.boot
+        elif state is None:
+            continue
+        elif r.type == "denied":
+            state.update(state="denied", code=r.meta.get("code"))
+        elif r.type == "completed":
+            state.update(state="completed", exit_status=r.meta.get("exit_status"))
+        elif r.type == "signalled":
+            state.update(state="completed", code=None, signal=r.meta.get("signal"))
+        elif r.type in ("not_started", "remote_rejected"):
+            state.update(state="retry_safe", code=r.meta.get("code"))
+        elif r.type == "unknown":
+            state.update(state="status_unknown", code="STATUS_UNKNOWN", cause=r.meta.get("cause"))
+    if state is not None and state["state"] == "in_flight" and boot != live_boot:
+        # No outcome and its gateway is gone: it will be closed as unknown at the next start.
+        state.update(state="status_unknown", code="STATUS_UNKNOWN", cause="gateway_stopped")
+    return state
