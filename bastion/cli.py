@@ -246,11 +246,18 @@ def unlock(
 
 
 @main.command()
+@click.option(
+    "--terminate", is_flag=True, help="Also end every command in flight (each outcome is recorded)."
+)
 @click.pass_context
-def lock(ctx: click.Context) -> None:
+def lock(ctx: click.Context, terminate: bool) -> None:
     """Lock the vault: deny everything at once, end every approval, queue nothing."""
-    result = op(ctx, "lock")
-    click.echo(f"locked (vault epoch {result['vault_epoch']})")
+    result = op(ctx, "lock", timeout=60, terminate=terminate)
+    ended = result.get("terminated") or []
+    click.echo(
+        f"locked (vault epoch {result['vault_epoch']})"
+        + (f"; ended {len(ended)} command(s) in flight: {' '.join(ended)}" if ended else "")
+    )
 
 
 @main.command()
@@ -644,6 +651,180 @@ def revoke(ctx: click.Context, session_id: str) -> None:
     """End one session approval now."""
     op(ctx, "revoke", session=session_id)
     click.echo(f"revoked {session_id}")
+
+
+@main.command()
+@click.argument("request_id")
+@click.pass_context
+def kill(ctx: click.Context, request_id: str) -> None:
+    """End a command in flight: signal it, then close its channel. Its outcome
+    is recorded as the target reports it (or `unknown` if it does not)."""
+    op(ctx, "kill", timeout=60, request=request_id)
+    click.echo(f"{request_id}: ended; see `bastion request {request_id}`")
+
+
+@main.command()
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def request(ctx: click.Context, request_id: str, as_json: bool) -> None:
+    """What became of one request: completed, denied, retry_safe,
+    status_unknown or in_flight (from the journal; no passphrase needed)."""
+    from bastion import journal, operator
+
+    home = home_of(ctx)
+    try:
+        live = operator.call(home.operator_socket, "status", timeout=5)["boot_id"]
+    except operator.OperatorError:
+        live = None
+    state = journal.request_state(journal.records(home.journal), request_id, live)
+    if state is None:
+        fail(f"no request {request_id} in the journal at {home.journal}")
+    emit(
+        state,
+        as_json,
+        lambda s: (
+            f"{s['request_id']}: {s['state']}"
+            + (f" (exit {s['exit_status']})" if s.get("exit_status") is not None else "")
+            + (f" ({s['code']})" if s.get("code") else "")
+        ),
+    )
+
+
+@main.group()
+def audit() -> None:
+    """The journal: verify it offline, or read its views."""
+
+
+@audit.command("verify")
+@click.option(
+    "--journal",
+    "path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A journal directory (default: HOME/journal).",
+)
+@click.option(
+    "--expect-head", default=None, help="A head hash recorded earlier (catches truncation)."
+)
+@click.option("--strict", is_flag=True, help="Fail on records not yet certified.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def audit_verify(
+    ctx: click.Context, path: Path | None, expect_head: str | None, strict: bool, as_json: bool
+) -> None:
+    """Check order, chain, signatures and certifications. Needs neither the
+    passphrase nor the gateway. Exit 0 intact, 1 with the first bad record."""
+    from bastion import journal
+
+    home = home_of(ctx)
+    directory = path or home.journal
+    try:
+        identity = journal.read_identity(directory, None if path else _identity_pin(home))
+    except journal.JournalError as exc:
+        fail(str(exc))
+    verdict = journal.verify(directory, identity, expect_head, strict)
+
+    def human(v: dict[str, Any]) -> str:
+        head = "intact" if v["ok"] else f"BROKEN at {v['problem']}"
+        return "\n".join(
+            [
+                f"journal {directory}: {head} ({v['records']} record(s) checked)",
+                *(f"  note: {n}" for n in v["notes"]),
+            ]
+        )
+
+    emit(verdict.as_json(), as_json, human)
+    sys.exit(0 if verdict.ok else 1)
+
+
+def _identity_pin(home: Home) -> bytes | None:
+    """The journal identity as the vault records it (its public half is
+    readable without the passphrase), so a swapped identity.json is caught."""
+    import asyncssh
+    from cryptography.hazmat.primitives import serialization
+
+    from bastion.journal import IDENTITY_LABEL
+    from bastion.vault import Vault, VaultError
+
+    try:
+        line = Vault.open(home.vault).key_info(IDENTITY_LABEL).public_key
+    except VaultError:
+        return None
+    raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    return asyncssh.import_public_key(line).pyca_key.public_bytes(*raw)
+
+
+@audit.command("head")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def audit_head(ctx: click.Context, as_json: bool) -> None:
+    """The journal's last (seq, hash): record it elsewhere, verify against it later."""
+    from bastion import journal
+
+    seq, digest = journal.head(home_of(ctx).journal)
+    emit({"seq": seq, "hash": digest}, as_json, lambda h: f"{h['seq']} {h['hash']}")
+
+
+def _audit_view(ctx: click.Context, view: str, passphrase_stdin: bool, use_keyring: bool) -> Any:
+    """Through an unlocked gateway, or offline with the passphrase."""
+    from bastion import journal, operator
+    from bastion.vault import Vault, VaultError
+
+    home = home_of(ctx)
+    if not (passphrase_stdin or use_keyring):
+        try:
+            return operator.call(home.operator_socket, "audit", timeout=120, view=view)
+        except operator.OperatorError as exc:
+            if not isinstance(exc, operator.GatewayNotRunning) and "locked" not in str(exc):
+                fail(str(exc))
+    passphrase = read_passphrase(passphrase_stdin, use_keyring, home)
+    try:
+        identity = Vault.open(home.vault).read_private_key(passphrase, journal.IDENTITY_LABEL)
+    except VaultError as exc:
+        fail(str(exc))
+    fn = journal.activity if view == "activity" else journal.sessions
+    return fn(journal.decrypt(journal.records(home.journal), identity.pyca_key))
+
+
+def _activity_line(a: dict[str, Any]) -> str:
+    end = a["outcome"] + (f" {a['code']}" if a.get("code") else "")
+    if a.get("exit_status") is not None:
+        end += f" exit {a['exit_status']}"
+    return f"{a['request_id']}  {a['user']}@{a['host']}  {end:<28} {a['command']!r}"
+
+
+@audit.command("activity")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--passphrase-stdin", is_flag=True, help="Read the journal without a gateway.")
+@click.option("--keyring", "use_keyring", is_flag=True)
+@click.pass_context
+def audit_activity(
+    ctx: click.Context, as_json: bool, passphrase_stdin: bool, use_keyring: bool
+) -> None:
+    """One row per request: what was asked, by whom, and how it ended."""
+    rows = _audit_view(ctx, "activity", passphrase_stdin, use_keyring)
+    emit(rows, as_json, lambda rs: "\n".join(map(_activity_line, rs)) or "(no requests)")
+
+
+@audit.command("sessions")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--passphrase-stdin", is_flag=True, help="Read the journal without a gateway.")
+@click.option("--keyring", "use_keyring", is_flag=True)
+@click.pass_context
+def audit_sessions(
+    ctx: click.Context, as_json: bool, passphrase_stdin: bool, use_keyring: bool
+) -> None:
+    """One row per session approval: who, what, when, and why it ended."""
+    rows = _audit_view(ctx, "sessions", passphrase_stdin, use_keyring)
+    emit(rows, as_json, lambda rs: "\n".join(map(_session_row, rs)) or "(no sessions)")
+
+
+def _session_row(r: dict[str, Any]) -> str:
+    pid = (r["subject"] or {}).get("pid")
+    return (
+        f"{r['session_id']}  {r['user']}@{r['host']}  pid {pid}  ended: {r['end_reason'] or 'live'}"
+    )
 
 
 @main.command()

@@ -89,6 +89,7 @@ class InFlight:
     request_id: str
     process: Any = None  # the asyncssh client process, once the exec request left
     killed: bool = False
+    abandon: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def new_request_id() -> str:
@@ -440,6 +441,7 @@ class Gateway:
                 streams,
                 intent,
                 started,
+                flight.abandon,
             )
         finally:
             self.inflight.pop(req.request_id, None)
@@ -488,9 +490,9 @@ class Gateway:
         with contextlib.suppress(OSError, asyncssh.Error):
             flight.process.send_signal("TERM")
         try:
-            await asyncio.wait_for(flight.process.wait_closed(), grace)
+            await asyncio.wait_for(asyncio.shield(flight.process.wait_closed()), grace)
         except TimeoutError:
-            flight.process.close()
+            flight.abandon.set()
 
     def acknowledge(self, action: str, request_id: str) -> None:
         """The agent says it inspected the target after an unknown outcome."""
@@ -557,13 +559,13 @@ class Gateway:
             "request_received",
             {
                 "request_id": req.request_id,
-                "command_sha256": req.command_sha256,
                 "action": req.action,
             },
             {
                 "host": req.host,
                 "user": req.user,
                 "command": req.command.decode("utf-8", "backslashreplace"),
+                "command_sha256": req.command_sha256,
                 "subject": conn.peer.subject.as_json(),
                 "conversation": conversation,
                 "chain": [p.pid for p in conn.peer.chain],

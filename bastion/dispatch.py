@@ -216,6 +216,7 @@ class Dispatcher:
         agent: Streams,
         before_exec: Callable[[], Awaitable[None]],
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
+        abandon: asyncio.Event | None = None,
     ) -> Result:
         """Connect, record the intent (`before_exec`, which refuses by raising),
         exec, relay, classify."""
@@ -228,7 +229,7 @@ class Dispatcher:
         self._active[conn] = self._active.get(conn, 0) + 1
         try:
             await before_exec()
-            return await self._exec(host, conn, command, agent, on_exec)
+            return await self._exec(host, conn, command, agent, on_exec, abandon)
         finally:
             self._release(conn)
 
@@ -239,6 +240,7 @@ class Dispatcher:
         command: bytes,
         agent: Streams,
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
+        abandon: asyncio.Event | None,
     ) -> Result:
         try:
             proc = await conn.create_process(command, encoding=None)  # type: ignore[arg-type]
@@ -260,7 +262,22 @@ class Dispatcher:
         except (OSError, asyncssh.Error) as exc:
             return _unknown(host, f"the connection failed while the command was sent: {exc}")
         on_exec(proc)
-        return await _relay(host, proc, agent)
+        relay = asyncio.ensure_future(_relay(host, proc, agent))
+        if abandon is None:
+            return await relay
+        stop = asyncio.ensure_future(abandon.wait())
+        try:
+            await asyncio.wait({relay, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if relay.done():
+            return relay.result()
+        # The operator ended it and the target did not report an ending in
+        # time (a remote child may still hold the channel open): stop
+        # waiting, close our side, and say what is known -- nothing.
+        relay.cancel()
+        proc.close()
+        return _unknown(host, "the operator ended it before the target reported an exit status")
 
 
 async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Streams) -> Result:

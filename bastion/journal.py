@@ -355,7 +355,9 @@ class Journal:
 
     def _write_head(self) -> None:
         tmp = self.directory / "head.json.tmp"
-        tmp.write_text(json.dumps({"seq": self.seq, "hash": self.head.hex()}))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"seq": self.seq, "hash": self.head.hex()}))
         os.replace(tmp, self.directory / "head.json")
 
     def certify(self, identity: Ed25519PrivateKey) -> Record:
@@ -419,7 +421,9 @@ def verify(
     prev, expected, certified_to = GENESIS, 1, 0
     found_head = expect_head is None
     last_line: Line | None = None
-    for line in read_lines(directory):
+    lines = list(read_lines(directory))
+    present = {line.record.seq for line in lines if line.record is not None}
+    for line in lines:
         last_line = line
         if line.torn:
             return bad(line, "torn: the last line is incomplete (the gateway stopped mid-write)")
@@ -428,6 +432,8 @@ def verify(
             return bad(line, "edited: not a well-formed record")
         if r.seq < expected:
             return bad(line, f"reordered: seq {r.seq} after {expected - 1}")
+        if r.seq > expected and expected in present:
+            return bad(line, f"reordered: seq {r.seq} where {expected} belongs")
         if r.seq > expected:
             return bad(line, f"deleted: seq {expected}..{r.seq - 1} missing")
         digest = chain_hash(prev, r.seq, r.body())
@@ -533,7 +539,7 @@ def activity(events: Iterable[tuple[Record, dict[str, Any]]]) -> list[dict[str, 
                 "host": e.get("host"),
                 "user": e.get("user"),
                 "command": e.get("command"),
-                "command_sha256": r.meta.get("command_sha256"),
+                "command_sha256": e.get("command_sha256"),
                 "outcome": "in_flight",
                 "code": None,
                 "exit_status": None,
