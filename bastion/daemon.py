@@ -780,13 +780,21 @@ class Gateway:
         except VaultError as exc:
             raise operator.OperatorError(str(exc)) from None
         self._vault_changed(locked=False)
+        self.certify()
+        return {"locked": False, "vault_epoch": self.vault.epoch}
+
+    def certify(self) -> None:
+        """Have the journal identity vouch for everything written so far. Only
+        possible while unlocked: at unlock, before a lock, before stopping."""
+        if self.vault.locked:
+            return
         try:
             self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
         except (VaultError, OSError, JournalError) as exc:
-            log.error("could not certify this lifetime's journal key: %s", exc)
-        return {"locked": False, "vault_epoch": self.vault.epoch}
+            log.error("could not certify this lifetime's journal: %s", exc)
 
     async def op_lock(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.certify()
         self.vault.lock()
         self._vault_changed(locked=True)
         ended: list[str] = []
@@ -952,8 +960,9 @@ class Gateway:
             await listener.close()
             op_server.close()
             self.dispatcher.close_all()
-            self.vault.lock()
             self.record("gateway_stopped", {})
+            self.certify()
+            self.vault.lock()
             self.journal.close()
             for path in (home.operator_socket, self.settings.agent_socket):
                 with contextlib.suppress(FileNotFoundError):

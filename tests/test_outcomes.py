@@ -56,7 +56,9 @@ class Relay:
         self.listener.close()
         for s in self.socks:
             try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
                 s.close()
             except OSError:
                 pass
@@ -89,9 +91,7 @@ def activity(bastion: Bastion) -> dict[str, dict]:
     return {r["request_id"]: r for r in rows}
 
 
-def test_cut_network_is_status_unknown(
-    bastion: Bastion, sshd: SshdInfo, tmp_path: Path
-) -> None:
+def test_cut_network_is_status_unknown(bastion: Bastion, sshd: SshdInfo, tmp_path: Path) -> None:
     relay = Relay((sshd.address, sshd.port))
     bastion.write_policy(policy_toml(sshd, port=relay.port))
     agent = bastion.agent()
@@ -154,8 +154,11 @@ def test_frozen_target_is_unknown_within_the_keepalive_window(
 
 def _open_request(bastion: Bastion) -> str:
     """The request id of the last request the journal shows as received."""
-    rids = [r.meta["request_id"] for r in journal.records(bastion.home.journal)
-            if r.type == "request_received"]
+    rids = [
+        r.meta["request_id"]
+        for r in journal.records(bastion.home.journal)
+        if r.type == "request_received"
+    ]
     return rids[-1]
 
 
@@ -188,8 +191,12 @@ def test_request_answers_every_state(bastion: Bastion, sshd: SshdInfo) -> None:
     r = agent.wait(rid)
     assert r.rc == 3
     completed = _open_request(bastion)
-    assert state(bastion, completed) == {"request_id": completed, "state": "completed",
-                                         "exit_status": 3, "code": None}
+    assert state(bastion, completed) == {
+        "request_id": completed,
+        "state": "completed",
+        "exit_status": 3,
+        "code": None,
+    }
     denied = agent.run("true", host="nowhere")
     assert state(bastion, denied.error["request_id"])["state"] == "denied"
     assert state(bastion, denied.error["request_id"])["code"] == "UNKNOWN_HOST"
