@@ -764,6 +764,12 @@ class Gateway:
                 "directory": str(self.policies.directory),
             },
             "isolation": self.isolation(),
+            "journal": {
+                "seq": self.journal.seq,
+                "appends": self.journal.appends,
+                "fsyncs": self.journal.fsyncs,
+                "append_seconds": self.journal.append_seconds,
+            },
             "pending": len(self.book.pending()),
             "sessions": len(self.book.sessions()),
             "pid": os.getpid(),

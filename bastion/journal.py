@@ -267,6 +267,8 @@ class Journal:
         self._fd: int | None = None
         self._path: Path | None = None
         self.fsyncs = 0
+        self.appends = 0
+        self.append_seconds = 0.0  # time spent appending, fsyncs included (see bench/)
 
     # opening -------------------------------------------------------------------------
 
@@ -332,6 +334,7 @@ class Journal:
         """Write one record; with `durable`, it is on disk when this returns."""
         if self._fd is None:
             raise JournalError("the journal is not open")
+        began = time.perf_counter()
         seq = self.seq + 1
         header = _canonical({"seq": seq, "boot": self.boot, "type": type_, "meta": meta})
         event = {"t": time.time(), **event}
@@ -351,6 +354,8 @@ class Journal:
         self._write_head()
         if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:
             self._open_segment(None)
+        self.appends += 1
+        self.append_seconds += time.perf_counter() - began
         return record
 
     def _write_head(self) -> None:

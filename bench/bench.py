@@ -86,6 +86,7 @@ def bench(root: Path, n: int) -> dict[str, Any]:
         paths: dict[str, list[str] | None] = {"direct": direct, "bastion": None, "helper": []}
         fails: dict[str, list[str]] = {"direct": [], "bastion": [], "helper": []}
         lat: dict[str, list[float]] = {"direct": [], "bastion": [], "helper": [], "proxy": []}
+        journal_before = bastion.op("status")["journal"]
         for i in range(WARMUP + n):
             # Interleaved A B A B ...; the agent helper's own floor (argv=["true"],
             # no ssh) and the proxy helper's startup ride along in the same rounds.
@@ -95,6 +96,8 @@ def bench(root: Path, n: int) -> dict[str, Any]:
                 for k, v in sample.items():
                     lat[k].append(v)
 
+        # The gateway times its own journal appends (fsyncs included) on the real path.
+        journal_after = bastion.op("status")["journal"]
         blob = root / "blob"
         data = os.urandom(BLOB_SIZE)
         blob.write_bytes(data)
@@ -121,6 +124,15 @@ def bench(root: Path, n: int) -> dict[str, Any]:
     # Streaming alone (estimate): the median cat minus the median `true` of that path.
     out["throughput_net_MBps"] = {k: mb / (t - statistics.median(lat[k])) for k, t in cat.items()}
     out["throughput_ratio"] = out["throughput_MBps"]["bastion"] / out["throughput_MBps"]["direct"]
+    commands = WARMUP + n + len(fails["bastion"])  # every bastion request of the loop
+    spent = journal_after["append_seconds"] - journal_before["append_seconds"]
+    per_command_ms = spent / commands * 1e3
+    out["journal"] = {
+        "records_per_command": (journal_after["appends"] - journal_before["appends"]) / commands,
+        "fsyncs_per_command": (journal_after["fsyncs"] - journal_before["fsyncs"]) / commands,
+        "ms_per_command": per_command_ms,
+        "share_of_latency": per_command_ms / b["median_ms"],
+    }
     out["failed_attempts"] = {k: len(v) for k, v in fails.items()}
     out["failure_messages"] = sorted({m for v in fails.values() for m in v})
     return out
@@ -146,6 +158,12 @@ def report(r: dict[str, Any]) -> str:
     lines.append(
         f"  same, minus connection setup (median true): direct {net['direct']:.0f}, "
         f"bastion {net['bastion']:.0f}"
+    )
+    j = r["journal"]
+    lines.append(
+        f"journal per command: {j['records_per_command']:.1f} records, "
+        f"{j['fsyncs_per_command']:.1f} fsyncs, {j['ms_per_command']:.2f} ms = "
+        f"{j['share_of_latency']:.1%} of the median bastion latency"
     )
     f = r["failed_attempts"]
     lines.append(

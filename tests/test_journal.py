@@ -292,3 +292,30 @@ def test_a_torn_tail_is_set_aside_and_journaled_at_the_next_start(
     assert len(kept) == 1 and kept[0].read_bytes() == b'{"boot":"boot_x","ct":"half a reco'
     assert any(r.type == "torn_tail" for r in journal.records(b.home.journal))
     assert verify(b.home.root).returncode == 0
+
+
+def test_segments_rotate_by_size_and_verify_across_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal, "SEGMENT_MAX", 4096)
+    key = Ed25519PrivateKey.generate()
+    identity = journal.write_identity(tmp_path, key)
+    j = journal.Journal(tmp_path, identity, "boot_test")
+    j.open()
+    for i in range(60):
+        j.append("request_received", {"request_id": f"req_{i}"}, {"command": "x" * 100},
+                 durable=False)
+    j.certify(key)
+    j.close()
+    assert len(journal.segments(tmp_path)) > 3
+    v = journal.verify(tmp_path, identity)
+    assert v.ok and v.records == 62, v.problem
+    events = [e for r, e in journal.decrypt(journal.records(tmp_path), key)
+              if r.type == "request_received"]
+    assert len(events) == 60 and all(e["command"] == "x" * 100 for e in events)
+    # A later lifetime continues the same chain in the newest segment.
+    j2 = journal.Journal(tmp_path, identity, "boot_two")
+    assert j2.open()[-1].seq == 62
+    j2.certify(key)
+    j2.close()
+    assert journal.verify(tmp_path, identity).records == 64

@@ -268,3 +268,21 @@ def test_an_action_with_an_unknown_outcome_waits_for_acknowledgement(
     acked = ("-o", "SetEnv=BASTION_ACTION_KEY=deploy-42 BASTION_ACK_UNKNOWN=1")
     assert agent.run("echo again", ssh_args=acked).stdout == b"again\n"
     assert agent.run("true", ssh_args=key).rc == 0  # the last attempt completed
+
+
+def test_an_agent_that_leaves_mid_command_still_gets_an_honest_record(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    import psutil
+
+    agent = bastion.agent()
+    marker, done = tmp_path / "running-leave", tmp_path / "finished-after-leave"
+    rid = started(agent, marker, f"sleep 2; echo finished > {done}; exit 5")
+    approve_and_wait_running(bastion, marker)
+    request_id = _open_request(bastion)
+    ssh = [p for p in psutil.Process(agent.pid).children() if p.name() == "ssh"]
+    assert len(ssh) == 1
+    ssh[0].kill()  # the agent side goes away mid-command
+    assert agent.wait(rid).rc == -9
+    wait_for(lambda: state(bastion, request_id)["state"] == "completed", timeout=20)
+    assert state(bastion, request_id)["exit_status"] == 5 and done.exists()
