@@ -160,6 +160,14 @@ def _demo(root: Path) -> int:
                 f"exit {status}\nstderr: {stderr.strip()}",
             )
             ok = ok and status == 77 and len(results) == 2 and results[1][1] == 77
+        verify = subprocess.run(
+            [sys.executable, "-m", "bastion.cli", "--home", str(home.root), "audit", "verify"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        say("7. The journal verifies offline: no passphrase, no gateway", verify.stdout)
+        ok = ok and verify.returncode == 0
     say(
         "Done" if ok else "FAILED",
         "Everything above ran through the real ssh client and a "

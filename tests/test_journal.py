@@ -303,15 +303,19 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j = journal.Journal(tmp_path, identity, "boot_test")
     j.open()
     for i in range(60):
-        j.append("request_received", {"request_id": f"req_{i}"}, {"command": "x" * 100},
-                 durable=False)
+        j.append(
+            "request_received", {"request_id": f"req_{i}"}, {"command": "x" * 100}, durable=False
+        )
     j.certify(key)
     j.close()
     assert len(journal.segments(tmp_path)) > 3
     v = journal.verify(tmp_path, identity)
     assert v.ok and v.records == 62, v.problem
-    events = [e for r, e in journal.decrypt(journal.records(tmp_path), key)
-              if r.type == "request_received"]
+    events = [
+        e
+        for r, e in journal.decrypt(journal.records(tmp_path), key)
+        if r.type == "request_received"
+    ]
     assert len(events) == 60 and all(e["command"] == "x" * 100 for e in events)
     # A later lifetime continues the same chain in the newest segment.
     j2 = journal.Journal(tmp_path, identity, "boot_two")
