@@ -57,13 +57,14 @@ def busy(
     return root / "home"
 
 
-def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bastion.cli", "--home", str(home), *args],
         capture_output=True,
         text=True,
         timeout=60,
-        stdin=subprocess.DEVNULL,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
     )
 
 
@@ -199,23 +200,7 @@ def test_no_command_output_key_or_passphrase_in_plaintext(
 
 def test_views_show_endings_and_denials(busy: Path) -> None:
     def view(name: str) -> list[dict]:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bastion.cli",
-                "--home",
-                str(busy),
-                "audit",
-                name,
-                "--json",
-                "--passphrase-stdin",
-            ],
-            input=PASSPHRASE + "\n",
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = cli(busy, "audit", name, "--json", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
@@ -247,22 +232,7 @@ def test_views_show_endings_and_denials(busy: Path) -> None:
 
 
 def test_views_need_the_passphrase_when_no_gateway_runs(busy: Path) -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bastion.cli",
-            "--home",
-            str(busy),
-            "audit",
-            "activity",
-            "--passphrase-stdin",
-        ],
-        input="wrong\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli(busy, "audit", "activity", "--passphrase-stdin", stdin="wrong\n")
     assert r.returncode == 1 and "passphrase" in r.stderr
 
 

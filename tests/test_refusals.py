@@ -95,37 +95,20 @@ def test_no_agent_forwarding(bastion: Bastion, tmp_path: Path) -> None:
         ssh_agent.wait(10)
 
 
+# Undo the config's ClearAllForwardings so the request reaches the gateway.
+FORWARD = ("-N", "-o", "ClearAllForwardings=no", "-o", "ExitOnForwardFailure=yes")
+
+
 def test_no_port_forwarding(bastion: Bastion) -> None:
     agent = bastion.agent()
-    remote = agent.run(
-        [],
-        ssh_args=(
-            "-N",
-            "-o",
-            "ClearAllForwardings=no",
-            "-o",
-            "ExitOnForwardFailure=yes",
-            "-R",
-            "0:127.0.0.1:22",
-        ),
-    )
+    remote = agent.run([], ssh_args=(*FORWARD, "-R", "0:127.0.0.1:22"))
     assert remote.rc == 255 and "forwarding failed" in remote.stderr
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    rid = agent.start(
-        [],
-        ssh_args=(
-            "-N",
-            "-o",
-            "ClearAllForwardings=no",
-            "-o",
-            "ExitOnForwardFailure=yes",
-            "-L",
-            f"{port}:{bastion.sshd.address}:{bastion.sshd.port}",
-        ),
-    )
+    target = f"{port}:{bastion.sshd.address}:{bastion.sshd.port}"
+    agent.start([], ssh_args=(*FORWARD, "-L", target))
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -139,4 +122,3 @@ def test_no_port_forwarding(bastion: Bastion) -> None:
         # The channel open is refused: the target's SSH banner never arrives.
         assert conn.recv(100) == b""
     agent.proc.kill()  # ends the -N ssh with it
-    del rid

@@ -197,22 +197,29 @@ def test_restart_keeps_host_key_and_authorized_keys(
     assert (result.returncode, result.stdout) == (0, "again\n"), result.stderr
 
 
+def _remote_sleep(
+    sshd: Sshd, client_key: tuple[Path, str], tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    """An ssh client whose remote command sleeps; returns it and the remote pid."""
+    marker = tmp_path / "started"
+    argv = _ssh_argv(
+        sshd.info,
+        client_key[0],
+        _known_hosts(tmp_path, sshd.info),
+        f"echo $$ > {marker}; exec sleep 60",
+    )
+    client = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    _wait_for(lambda: marker.exists() and marker.read_text().strip() != "", "the remote sleep")
+    return client, int(marker.read_text())
+
+
 def test_killing_a_session_cuts_the_client_and_stop_reaps_the_orphan(
     sshd: Sshd, client_key: tuple[Path, str], tmp_path: Path
 ) -> None:
-    marker = tmp_path / "started"
-    client = subprocess.Popen(
-        _ssh_argv(
-            sshd.info, client_key[0], _known_hosts(tmp_path, sshd.info),
-            f"echo $$ > {marker}; exec sleep 60",
-        ),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
+    client, remote_sleep = _remote_sleep(sshd, client_key, tmp_path)
     try:
-        _wait_for(lambda: marker.exists() and marker.read_text().strip() != "", "the remote sleep")
-        remote_sleep = int(marker.read_text())
         sessions = sshd.session_pids()
         assert sessions, "an authenticated connection has a per-connection sshd child"
         for pid in sessions:
@@ -237,19 +244,8 @@ def test_run_dir_with_a_space(tmp_path: Path, client_key: tuple[Path, str]) -> N
 def test_stop_ends_live_sessions_too(
     sshd: Sshd, client_key: tuple[Path, str], tmp_path: Path
 ) -> None:
-    marker = tmp_path / "started"
-    client = subprocess.Popen(
-        _ssh_argv(
-            sshd.info, client_key[0], _known_hosts(tmp_path, sshd.info),
-            f"echo $$ > {marker}; exec sleep 60",
-        ),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
+    client, remote_sleep = _remote_sleep(sshd, client_key, tmp_path)
     try:
-        _wait_for(lambda: marker.exists() and marker.read_text().strip() != "", "the remote sleep")
-        remote_sleep = int(marker.read_text())
         sshd.stop()
         assert client.wait(timeout=SSH_TIMEOUT) == 255
         _wait_for(lambda: not psutil_pid_alive(remote_sleep), "the remote sleep to die")
