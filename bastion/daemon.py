@@ -12,7 +12,6 @@ target is itself a wait.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -21,7 +20,6 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +28,7 @@ import asyncssh
 from cryptography.hazmat.primitives import serialization
 
 from bastion import operator
-from bastion.approvals import Answer, ApprovalBook, Card, CardError, CardKind, escape_command
+from bastion.approvals import Answer, ApprovalBook, Card, CardKind, escape_command
 from bastion.errors import Code, Failure
 from bastion.gate import (
     AskCommand,
@@ -48,7 +46,7 @@ from bastion.home import Home
 from bastion.identity import Peer, Resolver, Subject, alive
 from bastion.journal import IDENTITY_LABEL, OUTCOMES, Journal, JournalError, read_identity
 from bastion.policy import Policy, PolicyError, PolicyStore, host_key_fingerprint
-from bastion.vault import RESERVED_PREFIX, Vault, VaultError, load_private_key_file
+from bastion.vault import RESERVED_PREFIX, Vault, VaultError
 
 if TYPE_CHECKING:
     from bastion.dispatch import Result
@@ -56,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("bastion")
 
 MAX_ROUNDS = 4  # gate → card → gate ... a request never loops for ever
-WATCH_PING = 10.0  # seconds between keep-alive events to watching operators
 
 
 @dataclass(frozen=True)
@@ -117,7 +114,7 @@ class Gateway:
         self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
         self.book.on_session = self._session_event
         self.book.on_card = self._card_event
-        self._watchers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.watchers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.dispatcher = Dispatcher(
             self._credential, settings.keepalive_interval, settings.keepalive_count_max
         )
@@ -521,13 +518,13 @@ class Gateway:
     # -- what operators watching see ---------------------------------------------------
 
     def publish(self, event: dict[str, Any]) -> None:
-        for q in self._watchers:
+        for q in self.watchers:
             q.put_nowait(event)
 
     def _card_event(self, card: Card, answer: Answer | None) -> None:
         meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
         if answer is None:
-            if self._watchers:
+            if self.watchers:
                 self.book.note_operator()  # somebody is looking at it right now
             self.record("card_raised", meta, {"card": card.as_json()}, durable=False)
             self.publish({"event": "card", "card": card.as_json()})
@@ -592,27 +589,6 @@ class Gateway:
     def notice(self, text: str, request_id: str | None = None) -> None:
         """A fact for the operator; nothing to decide, nothing it could run."""
         self.publish({"event": "notice", "text": text, "request_id": request_id})
-
-    async def op_watch(self, _: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._watchers.add(q)
-        self.book.note_operator()
-        try:
-            yield {
-                "event": "hello",
-                "boot_id": self.boot_id,
-                "locked": self.vault.locked,
-                "vault_epoch": self.vault.epoch,
-            }
-            for card in self.book.pending():
-                yield {"event": "card", "card": card.as_json()}
-            while True:
-                try:
-                    yield await asyncio.wait_for(q.get(), WATCH_PING)
-                except TimeoutError:
-                    yield {"event": "ping"}
-        finally:
-            self._watchers.discard(q)
 
     # -- what the next lifetime may know ---------------------------------------------
 
@@ -731,63 +707,25 @@ class Gateway:
             len(withdrawn),
         )
 
-    # -- operator handlers ---------------------------------------------------------------
+    # -- operator actions (parsed and answered in control.py) --------------------------
 
-    def handlers(self) -> dict[str, operator.Handler]:
-        return {
-            "status": self.op_status,
-            "unlock": self.op_unlock,
-            "lock": self.op_lock,
-            "pending": self.op_pending,
-            "decide": self.op_decide,
-            "sessions": self.op_sessions,
-            "revoke": self.op_revoke,
-            "kill": self.op_kill,
-            "audit": self.op_audit,
-            "key_list": self.op_key_list,
-            "key_generate": self.op_key_generate,
-            "key_import": self.op_key_import,
-            "key_public": self.op_key_public,
-            "key_remove": self.op_key_remove,
-        }
-
-    async def op_status(self, _: dict[str, Any]) -> dict[str, Any]:
-        policy = self.policy()
-        return {
-            "locked": self.vault.locked,
-            "vault_epoch": self.vault.epoch,
-            "boot_id": self.boot_id,
-            "policy": {
-                "ok": not isinstance(policy, PolicyError),
-                "error": str(policy) if isinstance(policy, PolicyError) else None,
-                "hosts": [] if isinstance(policy, PolicyError) else sorted(policy.hosts),
-                "directory": str(self.policies.directory),
-            },
-            "isolation": self.isolation(),
-            "journal": {
-                "seq": self.journal.seq,
-                "appends": self.journal.appends,
-                "fsyncs": self.journal.fsyncs,
-                "append_seconds": self.journal.append_seconds,
-            },
-            "pending": len(self.book.pending()),
-            "sessions": len(self.book.sessions()),
-            "pid": os.getpid(),
-            "agent_socket": str(self.settings.agent_socket),
-        }
-
-    async def op_unlock(self, args: dict[str, Any]) -> dict[str, Any]:
-        try:
-            passphrase = base64.b64decode(str(args.get("passphrase", "")), validate=True)
-        except ValueError:
-            raise operator.OperatorError("malformed passphrase field") from None
-        try:
-            await asyncio.to_thread(self.vault.unlock, passphrase)
-        except VaultError as exc:
-            raise operator.OperatorError(str(exc)) from None
+    async def unlock(self, passphrase: bytes) -> None:
+        await asyncio.to_thread(self.vault.unlock, passphrase)
         self._vault_changed(locked=False)
         self.certify()
-        return {"locked": False, "vault_epoch": self.vault.epoch}
+
+    async def lock(self, terminate: bool) -> list[str]:
+        """Lock at once: every approval ends, every card is withdrawn, nothing is
+        kept to run later. With `terminate`, also end every command in flight."""
+        self.certify()
+        self.vault.lock()
+        self._vault_changed(locked=True)
+        ended: list[str] = []
+        if terminate:
+            ended = list(self.inflight)
+            self.record("operator_terminate", {"requests": ended})
+            await asyncio.gather(*(self.kill(rid) for rid in ended))
+        return ended
 
     def certify(self) -> None:
         """Have the journal identity vouch for everything written so far. Only
@@ -799,51 +737,8 @@ class Gateway:
         except (VaultError, OSError, JournalError) as exc:
             log.error("could not certify this lifetime's journal: %s", exc)
 
-    async def op_lock(self, args: dict[str, Any]) -> dict[str, Any]:
-        self.certify()
-        self.vault.lock()
-        self._vault_changed(locked=True)
-        ended: list[str] = []
-        if args.get("terminate"):
-            ended = list(self.inflight)
-            self.record("operator_terminate", {"requests": ended})
-            await asyncio.gather(*(self.kill(rid) for rid in ended))
-        return {"locked": True, "vault_epoch": self.vault.epoch, "terminated": ended}
-
-    async def op_kill(self, args: dict[str, Any]) -> dict[str, Any]:
-        rid = str(args.get("request", ""))
-        if rid not in self.inflight:
-            raise operator.OperatorError(f"{rid} is not in flight (see `bastion request {rid}`)")
-        self.record("operator_kill", {"request_id": rid})
-        await self.kill(rid)
-        return {"killed": rid}
-
-    async def op_audit(self, args: dict[str, Any]) -> list[dict[str, Any]]:
-        from bastion import journal
-
-        view = {"activity": journal.activity, "sessions": journal.sessions}.get(args.get("view"))
-        if view is None:
-            raise operator.OperatorError("unknown audit view")
-        identity = self._vault_call(lambda: self.vault.private_key(IDENTITY_LABEL)).pyca_key
-        return view(journal.decrypt(journal.records(self.home.journal), identity))
-
-    async def op_pending(self, args: dict[str, Any]) -> list[dict[str, Any]]:
-        self.book.note_operator()
-        wait = min(float(args.get("wait") or 0), 600.0)
-        deadline = time.monotonic() + wait
-        while not self.book.pending() and (left := deadline - time.monotonic()) > 0:
-            await self.book.wait_changed(left)
-        self.book.note_operator()
-        return [c.as_json() for c in self.book.pending()]
-
-    async def op_decide(self, args: dict[str, Any]) -> dict[str, Any]:
-        self.book.note_operator()
-        card_id = str(args.get("card", ""))
-        approve = bool(args.get("approve"))
-        try:
-            card = self.book.decide(card_id, approve, self.vault.epoch, self.vault.locked)
-        except CardError as exc:
-            raise operator.OperatorError(str(exc)) from None
+    def decide(self, card_id: str, approve: bool) -> Card:
+        card = self.book.decide(card_id, approve, self.vault.epoch, self.vault.locked)
         if not alive(card.subject.pid, card.subject.start_time):
             self._subject_exited(card.subject)
         log.info(
@@ -852,69 +747,19 @@ class Gateway:
             card.id,
             "approved" if approve else "declined",
         )
-        return {"card": card.id, "approved": approve}
+        return card
 
-    async def op_sessions(self, _: dict[str, Any]) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": g.id,
-                "host": g.host,
-                "user": g.user,
-                "subject": s.as_json(),
-                "approved_at": g.approved_at,
-                "vault_epoch": g.vault_epoch,
-            }
-            for g, s in self.book.sessions()
-        ]
-
-    async def op_revoke(self, args: dict[str, Any]) -> dict[str, Any]:
-        session = str(args.get("session", ""))
+    def revoke(self, session: str) -> bool:
         ended = self.book.end_sessions(lambda g: g.id == session, EndReason.REVOKED)
-        if not ended:
-            raise operator.OperatorError(f"no live session {session}")
-        log.info("session %s revoked by operator", session)
-        return {"revoked": session}
-
-    def _vault_call(self, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except VaultError as exc:
-            raise operator.OperatorError(str(exc)) from None
-
-    async def op_key_list(self, _: dict[str, Any]) -> list[dict[str, Any]]:
-        return [k.__dict__ for k in self._vault_call(self.vault.keys)]
-
-    @staticmethod
-    def _user_label(args: dict[str, Any]) -> str:
-        label = str(args.get("label", ""))
-        if label.startswith(RESERVED_PREFIX):
-            raise operator.OperatorError(
-                f"labels starting with {RESERVED_PREFIX!r} are bastion's own; choose another"
-            )
-        return label
+        if ended:
+            log.info("session %s revoked by operator", session)
+        return bool(ended)
 
     def _credential(self, label: str) -> asyncssh.SSHKey:
         """A key for an outbound connection -- never one of bastion's own."""
         if label.startswith(RESERVED_PREFIX):
             raise VaultError(f"{label!r} is reserved for bastion and cannot be a credential")
         return self.vault.private_key(label)
-
-    async def op_key_generate(self, args: dict[str, Any]) -> dict[str, Any]:
-        label, alg = self._user_label(args), str(args.get("algorithm") or "ssh-ed25519")
-        return self._vault_call(lambda: self.vault.generate(label, alg)).__dict__
-
-    async def op_key_import(self, args: dict[str, Any]) -> dict[str, Any]:
-        label, data = self._user_label(args), str(args.get("private_key", "")).encode()
-        key = self._vault_call(lambda: load_private_key_file(data, None))
-        return self._vault_call(lambda: self.vault.add(label, key)).__dict__
-
-    async def op_key_public(self, args: dict[str, Any]) -> dict[str, Any]:
-        return self._vault_call(lambda: self.vault.key_info(str(args.get("label", "")))).__dict__
-
-    async def op_key_remove(self, args: dict[str, Any]) -> dict[str, Any]:
-        label = self._user_label(args)
-        self._vault_call(lambda: self.vault.remove(label))
-        return {"removed": label}
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -923,6 +768,7 @@ class Gateway:
 
     async def run(self) -> None:
         from bastion.agent_server import AgentListener
+        from bastion.control import Control
 
         home = self.home
         home.make_dirs()
@@ -935,10 +781,11 @@ class Gateway:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
+        control = Control(self)
         op_server = await operator.serve(
             home.operator_socket,
-            self.handlers(),
-            {"watch": self.op_watch},
+            control.handlers(),
+            {"watch": control.watch},
             os.getuid(),
             self.agent_processes,
         )
