@@ -144,21 +144,13 @@ class Gateway:
 
     # -- the journal -----------------------------------------------------------------------
 
-    def record(
-        self,
-        type_: str,
-        meta: dict[str, Any],
-        event: dict[str, Any] | None = None,
-        durable: bool = True,
-    ) -> None:
-        """Journal an event. A failure here is loud; before dispatch it is fatal
-        to the request (see `intent`)."""
+    def record(self, type_: str, meta: dict[str, Any], event: dict[str, Any] | None = None) -> None:
+        """Journal an event, on disk when this returns. A failure is logged
+        loudly; only the intent before a dispatch (see `intent`) is fatal."""
         try:
-            self.journal.append(type_, meta, event or {}, durable)
+            self.journal.append(type_, meta, event or {})
         except (OSError, JournalError) as exc:
             log.error("could not journal %s: %s", type_, exc)
-            if type_ == "dispatch_started":
-                raise
 
     def _recover(self, found: list[Any]) -> None:
         """Close every intent the last lifetime left open; remember unknown actions."""
@@ -410,12 +402,14 @@ class Gateway:
             failure = self.recheck(conn, req, conversation, decided)
             if failure is not None:
                 raise NotDispatched(failure)
-            try:
-                self.record(
+            try:  # the intent is on disk before the exec request leaves, or nothing leaves
+                self.journal.append(
                     "dispatch_started",
                     {"request_id": req.request_id, "session_id": decided.session.id},
+                    {},
                 )
-            except (OSError, JournalError):
+            except (OSError, JournalError) as exc:
+                log.error("%s: could not journal the intent: %s", req.request_id, exc)
                 raise NotDispatched(
                     Failure(
                         Code.INTERNAL,
@@ -526,10 +520,10 @@ class Gateway:
         if answer is None:
             if self.watchers:
                 self.book.note_operator()  # somebody is looking at it right now
-            self.record("card_raised", meta, {"card": card.as_json()}, durable=False)
+            self.record("card_raised", meta, {"card": card.as_json()})
             self.publish({"event": "card", "card": card.as_json()})
         else:
-            self.record("card_closed", {**meta, "answer": answer.value}, durable=False)
+            self.record("card_closed", {**meta, "answer": answer.value})
             self.publish({"event": "closed", "card": card.id, "answer": answer.value})
 
     def _session_event(
@@ -567,7 +561,6 @@ class Gateway:
                 "conversation": conversation,
                 "chain": [p.pid for p in conn.peer.chain],
             },
-            durable=False,
         )
 
     def denied(self, conn: AgentConn, req: Request, failure: Failure) -> None:
@@ -577,7 +570,6 @@ class Gateway:
             "denied",
             {"request_id": req.request_id, "code": failure.code.value},
             {"message": failure.message},
-            durable=False,
         )
         self.notice(
             f"denied {failure.code.value}: pid {subject.pid} "

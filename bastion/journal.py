@@ -328,10 +328,8 @@ class Journal:
 
     # appending -----------------------------------------------------------------------
 
-    def append(
-        self, type_: str, meta: dict[str, Any], event: dict[str, Any], durable: bool = True
-    ) -> Record:
-        """Write one record; with `durable`, it is on disk when this returns."""
+    def append(self, type_: str, meta: dict[str, Any], event: dict[str, Any]) -> Record:
+        """Write one record; it is on disk (fdatasync) when this returns."""
         if self._fd is None:
             raise JournalError("the journal is not open")
         began = time.perf_counter()
@@ -347,9 +345,8 @@ class Journal:
         line = record.line()
         if os.write(self._fd, line) != len(line):
             raise JournalError("short write to the journal")
-        if durable:
-            os.fdatasync(self._fd)
-            self.fsyncs += 1
+        os.fdatasync(self._fd)
+        self.fsyncs += 1
         self.seq, self.head = seq, digest
         self._write_head()
         if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:

@@ -273,9 +273,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j = journal.Journal(tmp_path, identity, "boot_test")
     j.open()
     for i in range(60):
-        j.append(
-            "request_received", {"request_id": f"req_{i}"}, {"command": "x" * 100}, durable=False
-        )
+        j.append("request_received", {"request_id": f"req_{i}"}, {"command": "x" * 100})
     j.certify(key)
     j.close()
     assert len(journal.segments(tmp_path)) > 3
