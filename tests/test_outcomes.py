@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -286,3 +287,23 @@ def test_an_agent_that_leaves_mid_command_still_gets_an_honest_record(
     assert agent.wait(rid).rc == -9
     wait_for(lambda: state(bastion, request_id)["state"] == "completed", timeout=20)
     assert state(bastion, request_id)["exit_status"] == 5 and done.exists()
+
+
+def test_no_intent_on_disk_means_nothing_is_sent(bastion: Bastion, tmp_path: Path) -> None:
+    agent = bastion.agent()
+    rid = agent.start("true")
+    bastion.approve_next()
+    assert agent.wait(rid).rc == 0
+    segment = journal.segments(bastion.home.journal)[-1]
+    if subprocess.run(["chattr", "+i", str(segment)], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem cannot make the journal unwritable (chattr +i)")
+    marker = tmp_path / "sent-without-intent"
+    try:
+        r = agent.run(f"touch {marker}")
+    finally:
+        subprocess.run(["chattr", "-i", str(segment)], check=True)
+    assert (
+        r.rc == 70 and r.code == "INTERNAL" and "could not record its intent" in r.error["message"]
+    )
+    assert not marker.exists()
+    assert "could not journal the intent" in bastion.log.read_text()
