@@ -398,7 +398,7 @@ class Gateway:
             self.book.use_command_grant(decided.command_grant.id)  # before anything is sent
         flight = InFlight(req.request_id)
 
-        async def intent() -> None:
+        def intent() -> None:  # runs with no await before the exec request leaves
             failure = self.recheck(conn, req, conversation, decided)
             if failure is not None:
                 raise NotDispatched(failure)

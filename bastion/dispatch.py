@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncssh
@@ -55,6 +55,28 @@ class NotStarted(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class _IntentProcess(asyncssh.SSHClientProcess):  # type: ignore[type-arg]
+    """Runs the intent at the last moment before the exec request is sent.
+
+    asyncssh calls `connection_made` after the session channel is confirmed
+    and then sends the exec request without yielding to the event loop, so
+    nothing (a lock, a revoke) can happen between the final decision and the
+    request leaving. If the intent refuses, the channel is closed unused.
+    """
+
+    def __init__(self, intent: Callable[[], None]) -> None:
+        super().__init__()
+        self._intent = intent
+
+    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[type-arg]
+        super().connection_made(chan)
+        try:
+            self._intent()
+        except BaseException:
+            chan.close()
+            raise
 
 
 class _Tracked(asyncssh.SSHClient):
@@ -214,12 +236,13 @@ class Dispatcher:
         vault_epoch: int,
         command: bytes,
         agent: Streams,
-        before_exec: Callable[[], Awaitable[None]],
+        intent: Callable[[], None],
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None = None,
     ) -> Result:
-        """Connect, record the intent (`before_exec`, which refuses by raising),
-        exec, relay, classify."""
+        """Connect, exec, relay, classify. `intent` runs once the session
+        channel is open and immediately before the exec request is sent, with
+        no await in between: it re-decides and journals, and refuses by raising."""
         try:
             conn = await self.connection(host, account, vault_epoch)
         except NotStarted as exc:
@@ -228,8 +251,7 @@ class Dispatcher:
             )
         self._active[conn] = self._active.get(conn, 0) + 1
         try:
-            await before_exec()
-            return await self._exec(host, conn, command, agent, on_exec, abandon)
+            return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
         finally:
             self._release(conn)
 
@@ -239,11 +261,17 @@ class Dispatcher:
         conn: asyncssh.SSHClientConnection,
         command: bytes,
         agent: Streams,
+        intent: Callable[[], None],
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None,
     ) -> Result:
         try:
-            proc = await conn.create_process(command, encoding=None)  # type: ignore[arg-type]
+            _, proc = await conn.create_session(
+                lambda: _IntentProcess(intent),
+                command,
+                encoding=None,  # type: ignore[arg-type]
+            )
+            await proc.redirect(asyncssh.PIPE, asyncssh.PIPE, asyncssh.PIPE)
         except asyncssh.ChannelOpenError as exc:
             if exc.code == asyncssh.OPEN_REQUEST_SESSION_FAILED:
                 return Result(
