@@ -76,7 +76,6 @@ class AgentConn:
     host: str
     user: str
     cards: set[str] = field(default_factory=set)
-    closed: bool = False
 
 
 @dataclass(eq=False)
@@ -668,7 +667,6 @@ class Gateway:
 
     def connection_closed(self, conn: AgentConn) -> None:
         self.connections.discard(conn)
-        conn.closed = True
         for card_id in list(conn.cards):
             self.book.close_card(card_id, Answer.WITHDRAWN_GONE)
 

@@ -50,10 +50,6 @@ class ProcessInfo:
     name: str
     cmdline: tuple[str, ...]
 
-    @property
-    def exe_deleted(self) -> bool:
-        return self.exe.endswith(" (deleted)")
-
 
 @dataclass(frozen=True)
 class Subject:

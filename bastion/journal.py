@@ -88,10 +88,6 @@ class Identity:
     signing: Ed25519PublicKey
     encryption: X25519PublicKey
 
-    @property
-    def fingerprint(self) -> str:
-        return hashlib.sha256(self.signing.public_bytes(*_RAW)).hexdigest()[:32]
-
 
 def write_identity(directory: Path, identity: Ed25519PrivateKey) -> Identity:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -477,14 +477,6 @@ class Vault:
         finally:
             key[:] = bytes(len(key))
 
-    def verify_passphrase(self, passphrase: bytes) -> bool:
-        doc = self._load()
-        key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
-        try:
-            return _matches(key, doc)
-        finally:
-            key[:] = bytes(len(key))
-
 
 def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSHKey:
     """Import a user's key file; errors are fixed phrases so no file bytes leak into them."""

@@ -122,7 +122,6 @@ def test_wrong_passphrase_changes_nothing(v: Vault, path: Path) -> None:
     assert "wrong horse" not in str(exc.value)
     assert path.read_bytes() == before
     assert (h.locked, h.epoch) == (True, 2)
-    assert h.verify_passphrase(PW) and not h.verify_passphrase(b"nope")
     assert path.read_bytes() == before and h.epoch == 2
     h.unlock(PW)
     with pytest.raises(WrongPassphrase):
@@ -400,3 +399,17 @@ def test_unsupported_key_file_type() -> None:
     data = asyncssh.generate_private_key("ssh-dss").export_private_key("openssh")
     with pytest.raises(VaultError, match="unsupported key type"):
         load_private_key_file(data, None)
+
+
+def test_read_private_key_is_a_one_shot_offline_read(v: Vault, path: Path) -> None:
+    info = v.generate("audit")
+    v.lock()
+    before, epoch = path.read_bytes(), Vault.open(path).epoch
+    h = Vault.open(path)
+    key = h.read_private_key(PW, "audit")
+    assert key.export_public_key().decode().split()[:2] == info.public_key.split()[:2]
+    assert h.locked and h.epoch == epoch and path.read_bytes() == before
+    with pytest.raises(WrongPassphrase):
+        h.read_private_key(b"nope", "audit")
+    with pytest.raises(VaultError):
+        h.read_private_key(PW, "missing")
