@@ -37,6 +37,17 @@ def test_the_config_pins_the_gateway_key(bastion: Bastion, tmp_path: Path) -> No
     assert r.returncode == 255 and "Host key verification failed" in r.stderr
 
 
+def _as(user: pwd.struct_passwd) -> list[str]:
+    """Run the system python as `user` (same process: setpriv execs it)."""
+    return [
+        "setpriv",
+        f"--reuid={user.pw_uid}",
+        f"--regid={user.pw_gid}",
+        "--init-groups",
+        SYSTEM_PYTHON,
+    ]
+
+
 @pytest.fixture
 def agent_user() -> Iterator[pwd.struct_passwd]:
     tools = shutil.which("useradd") and shutil.which("setpriv")
@@ -96,11 +107,7 @@ def test_an_agent_running_as_another_user(
             assert json.loads(b.cli("status", "--json").stdout)["isolation"] == "strong"
             agent = subprocess.Popen(
                 [
-                    "setpriv",
-                    f"--reuid={agent_user.pw_uid}",
-                    f"--regid={agent_user.pw_gid}",
-                    "--init-groups",
-                    SYSTEM_PYTHON,
+                    *_as(agent_user),
                     "-c",
                     "import subprocess, sys; r = subprocess.run(['ssh', '-F', sys.argv[1], "
                     "'web1', 'echo via-strong'], capture_output=True, text=True); "
@@ -121,11 +128,7 @@ def test_an_agent_running_as_another_user(
             # The other user reaches the agent socket, and nothing else of the home.
             probe = subprocess.run(
                 [
-                    "setpriv",
-                    f"--reuid={agent_user.pw_uid}",
-                    f"--regid={agent_user.pw_gid}",
-                    "--init-groups",
-                    SYSTEM_PYTHON,
+                    *_as(agent_user),
                     "-c",
                     "import socket, sys; s = socket.socket(socket.AF_UNIX)\n"
                     "try:\n s.connect(sys.argv[1]); print('connected')\n"
