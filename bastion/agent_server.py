@@ -25,7 +25,7 @@ from typing import Any
 import asyncssh
 from asyncssh.packet import SSHPacket
 
-from bastion.daemon import NotDispatched
+from bastion.daemon import AgentConn, Gateway, NotDispatched, new_request_id
 from bastion.dispatch import Outcome, Streams
 from bastion.errors import Code, Failure
 from bastion.gate import Request
@@ -85,10 +85,8 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
 class AgentListener:
     """Accepts agent connections and hands each to an SSH server."""
 
-    def __init__(self, gateway: Any, sock: socket.socket) -> None:
-        from bastion.daemon import Gateway  # circular at import time only
-
-        self.gateway: Gateway = gateway
+    def __init__(self, gateway: Gateway, sock: socket.socket) -> None:
+        self.gateway = gateway
         self.sock = sock
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[asyncssh.SSHServerConnection] = set()
@@ -121,8 +119,6 @@ class AgentListener:
             task.cancel()
 
     async def _accept(self, sock: socket.socket) -> None:
-        from bastion.daemon import AgentConn
-
         loop = asyncio.get_running_loop()
         gw = self.gateway
         try:
@@ -159,7 +155,7 @@ class AgentListener:
 
 
 class _AgentSSH(asyncssh.SSHServer):
-    def __init__(self, gateway: Any, conn: Any) -> None:
+    def __init__(self, gateway: Gateway, conn: AgentConn) -> None:
         self.gateway = gateway
         self.conn = conn
         self.ssh_user = ""
@@ -185,8 +181,6 @@ class _AgentSSH(asyncssh.SSHServer):
         return chan, process
 
     async def _exec(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
-        from bastion.daemon import new_request_id
-
         request_id = new_request_id()
         try:
             await self._serve(process, request_id)

@@ -163,10 +163,8 @@ class Gateway:
                 self.unknown_actions.pop(r.meta.get("action"), None)
             elif rid and r.type in ("dispatch_started", *OUTCOMES):
                 outcome_of[rid] = r.type
-            if r.type == "unknown" and rid in action_of:
-                self.unknown_actions[action_of[rid]] = rid
-            elif r.type in OUTCOMES and rid in action_of:
-                self.unknown_actions.pop(action_of[rid], None)
+            if r.type in OUTCOMES and rid in action_of:
+                self._track_action(action_of[rid], rid, r.type == "unknown")
         for rid, last in outcome_of.items():
             if last == "dispatch_started":
                 self.record(
@@ -178,7 +176,7 @@ class Gateway:
                     },
                 )
                 if rid in action_of:
-                    self.unknown_actions[action_of[rid]] = rid
+                    self._track_action(action_of[rid], rid, unknown=True)
                 log.warning("%s: was in flight when the last gateway ended: outcome unknown", rid)
 
     # -- state read by the gate ------------------------------------------------------
@@ -466,10 +464,7 @@ class Gateway:
             f" (exit {result.exit_status})" if result.exit_status is not None else "",
         )
         if req.action is not None:
-            if result.outcome is Outcome.UNKNOWN:
-                self.unknown_actions[req.action] = req.request_id
-            else:
-                self.unknown_actions.pop(req.action, None)
+            self._track_action(req.action, req.request_id, result.outcome is Outcome.UNKNOWN)
 
     async def kill(self, request_id: str, grace: float = 2.0) -> None:
         """Signal the remote command, then close its channel if it does not end."""
@@ -483,6 +478,13 @@ class Gateway:
             await asyncio.wait_for(asyncio.shield(flight.process.wait_closed()), grace)
         except TimeoutError:
             flight.abandon.set()
+
+    def _track_action(self, action: str, request_id: str, unknown: bool) -> None:
+        """An action's last attempt decides: unknown blocks it, anything else clears it."""
+        if unknown:
+            self.unknown_actions[action] = request_id
+        else:
+            self.unknown_actions.pop(action, None)
 
     def acknowledge(self, action: str, request_id: str) -> None:
         """The agent says it inspected the target after an unknown outcome."""
