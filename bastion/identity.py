@@ -4,7 +4,8 @@ Authority is bound to a live process, never to anything a client says about
 itself. The kernel tells us the peer of the agent socket (SO_PEERCRED, pinned
 with a pidfd where SO_PEERPIDFD exists); /proc tells us its ancestors. The
 *subject* -- the process a person approves -- is the first ancestor above the
-`ssh` client that is not a shell or a wrapper (DESIGN.md §2).
+`ssh` client that is not a shell or a wrapper (docs/architecture.md, "Who is
+asking").
 
 Everything read here can race with the processes it describes, so every
 ancestor's start time is read again after the walk: a pid that was reused
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from bastion.core.subject import Peer, ProcessInfo, Subject
+
 DEFAULT_WRAPPERS = frozenset(
     {"sh", "bash", "dash", "zsh", "fish", "env", "timeout", "nice", "nohup"}
 )
@@ -35,68 +38,6 @@ _MAX_CHAIN = 64
 
 class IdentityError(Exception):
     """The peer could not be identified; the request must not proceed."""
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """One process in the chain, as read from /proc at one moment."""
-
-    pid: int
-    ppid: int
-    start_time: float
-    uid: int
-    exe: str
-    exe_sha256: str | None
-    name: str
-    cmdline: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Subject:
-    """The process a person approves: identity of one live process in one
-    gateway lifetime. The nonce makes two sightings of the same
-    (pid, start_time) in two gateway lifetimes two different subjects."""
-
-    pid: int
-    start_time: float
-    exe: str
-    exe_sha256: str | None
-    uid: int
-    nonce: str
-    run: str | None = None  # label of the registered run this subject is, if any
-
-    @property
-    def process_key(self) -> tuple[int, float, str]:
-        """This process instance, whatever it runs now (watching, cards)."""
-        return (self.pid, self.start_time, self.nonce)
-
-    @property
-    def key(self) -> tuple[int, float, str, str]:
-        """What approvals bind to: the process instance *and* its executable.
-        exec() keeps the pid and start time; it must not keep the approval."""
-        return (self.pid, self.start_time, self.nonce, self.exe_sha256 or self.exe)
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "pid": self.pid,
-            "start_time": self.start_time,
-            "exe": self.exe,
-            "exe_sha256": self.exe_sha256,
-            "exe_deleted": self.exe.endswith(" (deleted)"),
-            "uid": self.uid,
-            "run": self.run,
-        }
-
-
-@dataclass(frozen=True)
-class Peer:
-    """The connecting process, its chain up to the subject, and the subject."""
-
-    pid: int
-    uid: int
-    gid: int
-    chain: tuple[ProcessInfo, ...]  # peer first, subject last
-    subject: Subject
 
 
 @dataclass

@@ -36,7 +36,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from bastion.core.events import EventType
 
 FORMAT = "bastion-journal-1"
 IDENTITY_LABEL = "bastion-journal"  # the vault key that is the journal identity
@@ -136,39 +138,20 @@ class Record:
     hash: str
     sig: str
 
+    def _doc(self, *names: str) -> bytes:
+        return _canonical({n: getattr(self, n) for n in names})
+
     @property
     def header(self) -> bytes:
         """What the AEAD binds and the chain covers besides the ciphertext."""
-        return _canonical(
-            {"seq": self.seq, "boot": self.boot, "type": self.type, "meta": self.meta}
-        )
+        return self._doc("seq", "boot", "type", "meta")
 
     def body(self) -> bytes:
-        return _canonical(
-            {
-                "seq": self.seq,
-                "boot": self.boot,
-                "type": self.type,
-                "meta": self.meta,
-                "ct": self.ct,
-            }
-        )
+        """What the chain hash covers."""
+        return self._doc("seq", "boot", "type", "meta", "ct")
 
     def line(self) -> bytes:
-        return (
-            _canonical(
-                {
-                    "seq": self.seq,
-                    "boot": self.boot,
-                    "type": self.type,
-                    "meta": self.meta,
-                    "ct": self.ct,
-                    "hash": self.hash,
-                    "sig": self.sig,
-                }
-            )
-            + b"\n"
-        )
+        return self._doc("seq", "boot", "type", "meta", "ct", "hash", "sig") + b"\n"
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
@@ -286,7 +269,7 @@ class Journal:
         segs = segments(self.directory)
         self._open_segment(segs[-1] if segs else None)
         self.append(
-            "boot",
+            EventType.BOOT,
             {
                 "boot_key": _b64(self._boot_signing.public_key().public_bytes(*_RAW)),
                 "epk": _b64(self._epk),
@@ -295,7 +278,7 @@ class Journal:
         )
         if torn is not None:
             self.append(
-                "torn_tail",
+                EventType.TORN_TAIL,
                 {
                     "bytes": len(torn.raw),
                     "file": torn.path.name,
@@ -324,20 +307,18 @@ class Journal:
 
     # appending -----------------------------------------------------------------------
 
-    def append(self, type_: str, meta: dict[str, Any], event: dict[str, Any]) -> Record:
+    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> Record:
         """Write one record; it is on disk (fdatasync) when this returns."""
         if self._fd is None:
             raise JournalError("the journal is not open")
         began = time.perf_counter()
         seq = self.seq + 1
-        header = _canonical({"seq": seq, "boot": self.boot, "type": type_, "meta": meta})
+        unsigned = Record(seq, self.boot, kind.value, meta, "", "", "")
         event = {"t": time.time(), **event}
-        ct = _b64(self._aead.encrypt(_nonce(seq), _canonical(event), header))
-        unsigned = Record(seq, self.boot, type_, meta, ct, "", "")
+        ct = _b64(self._aead.encrypt(_nonce(seq), _canonical(event), unsigned.header))
+        unsigned = replace(unsigned, ct=ct)
         digest = chain_hash(self.head, seq, unsigned.body())
-        record = Record(
-            seq, self.boot, type_, meta, ct, digest.hex(), _b64(self._boot_signing.sign(digest))
-        )
+        record = replace(unsigned, hash=digest.hex(), sig=_b64(self._boot_signing.sign(digest)))
         line = record.line()
         if os.write(self._fd, line) != len(line):
             raise JournalError("short write to the journal")
@@ -362,9 +343,8 @@ class Journal:
         """Vouch for this boot's key and, through the chain, for everything so far."""
         boot_key = self._boot_signing.public_key().public_bytes(*_RAW)
         cert = identity.sign(_cert_message(self.boot, boot_key, self.head))
-        return self.append(
-            "certify", {"boot_key": _b64(boot_key), "head": self.head.hex(), "cert": _b64(cert)}, {}
-        )
+        meta = {"boot_key": _b64(boot_key), "head": self.head.hex(), "cert": _b64(cert)}
+        return self.append(EventType.CERTIFY, meta, {})
 
     def close(self) -> None:
         if self._fd is not None:
@@ -385,7 +365,7 @@ def head(directory: Path) -> tuple[int, str]:
 
 
 @dataclass
-class Verdict:
+class VerifyReport:
     ok: bool
     records: int = 0
     problem: str | None = None  # the first bad record, named, and why
@@ -402,14 +382,14 @@ class Verdict:
 
 def verify(
     directory: Path, identity: Identity, expect_head: str | None = None, strict: bool = False
-) -> Verdict:
+) -> VerifyReport:
     """Check every record: order, chain, signatures, certifications, head.
 
     Needs no passphrase and no gateway: only public keys are involved.
     """
-    v = Verdict(ok=True)
+    v = VerifyReport(ok=True)
 
-    def bad(line: Line | None, why: str) -> Verdict:
+    def bad(line: Line | None, why: str) -> VerifyReport:
         where = f"{line.path.name}:{line.number}" if line else "journal"
         seq = f" (seq {line.record.seq})" if line and line.record else ""
         v.ok, v.problem = False, f"{where}{seq}: {why}"
@@ -437,7 +417,7 @@ def verify(
         digest = chain_hash(prev, r.seq, r.body())
         if digest.hex() != r.hash:
             return bad(line, "edited: its content or its place in the chain changed")
-        if r.type == "boot":
+        if r.type == EventType.BOOT.value:
             try:
                 boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
             except (KeyError, ValueError):
@@ -449,7 +429,7 @@ def verify(
             key.verify(_unb64(r.sig), digest)
         except (InvalidSignature, ValueError):
             return bad(line, "bad signature")
-        if r.type == "certify":
+        if r.type == EventType.CERTIFY.value:
             try:
                 boot_key = _unb64(r.meta["boot_key"])
                 if boot_key != key.public_bytes(*_RAW) or r.meta["head"] != prev.hex():
@@ -508,7 +488,7 @@ def decrypt(
     enc = encryption_key(identity)
     aeads: dict[str, ChaCha20Poly1305] = {}
     for r in recs:
-        if r.type == "boot":
+        if r.type == EventType.BOOT.value:
             with contextlib.suppress(KeyError, ValueError):
                 epk = X25519PublicKey.from_public_bytes(_unb64(r.meta["epk"]))
                 aeads[r.boot] = ChaCha20Poly1305(_boot_key(enc.exchange(epk), r.boot))
@@ -518,105 +498,3 @@ def decrypt(
             with contextlib.suppress(InvalidTag, ValueError):
                 event = json.loads(aead.decrypt(_nonce(r.seq), _unb64(r.ct), r.header))
         yield r, event
-
-
-OUTCOMES = {"completed", "signalled", "remote_rejected", "unknown", "not_started"}
-
-
-def activity(events: Iterable[tuple[Record, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per request: what was asked, by whom, and how it ended."""
-    rows: dict[str, dict[str, Any]] = {}
-    for r, e in events:
-        rid = r.meta.get("request_id")
-        if not rid:
-            continue
-        if r.type == "request_received":
-            rows[rid] = {
-                "request_id": rid,
-                "session_id": None,
-                "host": e.get("host"),
-                "user": e.get("user"),
-                "command": e.get("command"),
-                "command_sha256": e.get("command_sha256"),
-                "outcome": "in_flight",
-                "code": None,
-                "exit_status": None,
-                "cause": None,
-                "subject": e.get("subject"),
-                "received_at": e.get("t"),
-            }
-            continue
-        row = rows.get(rid)
-        if row is None:
-            continue
-        if r.type == "denied":
-            row.update(outcome="denied", code=r.meta.get("code"))
-        elif r.type == "dispatch_started":
-            row.update(session_id=r.meta.get("session_id"), outcome="in_flight")
-        elif r.type in OUTCOMES:
-            row.update(
-                outcome=r.type,
-                code=r.meta.get("code"),
-                exit_status=r.meta.get("exit_status"),
-                cause=r.meta.get("cause"),
-            )
-    return list(rows.values())
-
-
-def sessions(events: Iterable[tuple[Record, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per session approval: when it began, when and why it ended."""
-    rows: dict[str, dict[str, Any]] = {}
-    for r, e in events:
-        sid = r.meta.get("session_id")
-        if r.type == "session_approved" and sid:
-            rows[sid] = {
-                "session_id": sid,
-                "host": e.get("host"),
-                "user": e.get("user"),
-                "subject": e.get("subject"),
-                "approved_at": e.get("t"),
-                "ended_at": None,
-                "end_reason": None,
-            }
-        elif r.type == "session_ended" and sid in rows:
-            rows[sid].update(ended_at=e.get("t"), end_reason=r.meta.get("reason"))
-        elif r.type == "boot":  # a new lifetime ends every approval of the last one
-            for row in rows.values():
-                if row["end_reason"] is None:
-                    row.update(ended_at=e.get("t"), end_reason="gateway_restarted")
-    return list(rows.values())
-
-
-def request_state(
-    recs: Iterable[Record], request_id: str, live_boot: str | None
-) -> dict[str, Any] | None:
-    """What became of one request, from plaintext metadata alone."""
-    state: dict[str, Any] | None = None
-    boot = None
-    for r in recs:
-        if r.meta.get("request_id") != request_id:
-            continue
-        if r.type == "request_received":
-            state = {
-                "request_id": request_id,
-                "state": "in_flight",
-                "exit_status": None,
-                "code": None,
-            }
-            boot = r.boot
-        elif state is None:
-            continue
-        elif r.type == "denied":
-            state.update(state="denied", code=r.meta.get("code"))
-        elif r.type == "completed":
-            state.update(state="completed", exit_status=r.meta.get("exit_status"))
-        elif r.type == "signalled":
-            state.update(state="completed", code=None, signal=r.meta.get("signal"))
-        elif r.type in ("not_started", "remote_rejected"):
-            state.update(state="retry_safe", code=r.meta.get("code"))
-        elif r.type == "unknown":
-            state.update(state="status_unknown", code="STATUS_UNKNOWN", cause=r.meta.get("cause"))
-    if state is not None and state["state"] == "in_flight" and boot != live_boot:
-        # No outcome and its gateway is gone: it will be closed as unknown at the next start.
-        state.update(state="status_unknown", code="STATUS_UNKNOWN", cause="gateway_stopped")
-    return state

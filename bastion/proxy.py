@@ -27,7 +27,7 @@ REPLY_TIMEOUT = 30.0
 
 
 def fail(message: str) -> int:
-    """Tell the agent, in the §4 shape, why no SSH session could even start."""
+    """Tell the agent, in the agent-facing error shape, why no SSH session could even start."""
     error = {
         "code": "INTERNAL",
         "message": message + " Nothing was sent to the target.",

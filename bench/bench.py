@@ -20,8 +20,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bastion.sshd_fixture import Sshd  # noqa: E402
-from tests.conftest import Agent, Bastion, Result, make_bastion  # noqa: E402
+from bastion.devtools.sshd_fixture import Sshd  # noqa: E402
+from tests.harness import Agent, Bastion, Result, make_bastion  # noqa: E402
 
 BLOB_SIZE = 32 << 20
 THROUGHPUT_RUNS = 3

@@ -1,0 +1,5 @@
+"""`python -m bastion.cli`."""
+
+from bastion.cli.main import main
+
+main()

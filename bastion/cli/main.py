@@ -1,0 +1,357 @@
+"""The `bastion` command: parse, call, print. Nothing is decided here.
+
+Every read takes `--json`. Operator commands talk to the running gateway over
+its operator socket; `init`, `key` and `audit` (when no gateway runs),
+`hostkey`, `ssh-config` and `request` work on files directly. Heavy modules
+(asyncssh, the gateway) are imported inside the commands that need them, so
+that the commands an operator types often start fast.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bastion import opsock
+from bastion.cli.agents import hostkey, proxy, run, ssh_config
+from bastion.cli.audit import audit
+from bastion.cli.common import (
+    HOST_KEY_ALIAS,
+    emit,
+    fail,
+    home_of,
+    op,
+    read_passphrase,
+    save_to_keyring,
+)
+from bastion.cli.keys import key
+from bastion.cli.prompt import approve as run_prompt
+from bastion.cli.prompt import render_card
+from bastion.core import defaults
+from bastion.home import default_home
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Bastion home (default: $BASTION_HOME or $XDG_DATA_HOME/bastion).",
+)
+@click.version_option(package_name="bastion")
+@click.pass_context
+def main(ctx: click.Context, home: Path | None) -> None:
+    """A local SSH bastion: agents run commands on real servers through the
+    stock ssh client, and never hold a key."""
+    ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
+
+
+for command in (key, audit, hostkey, ssh_config, proxy, run):
+    main.add_command(command)
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@click.option(
+    "--keyring",
+    "use_keyring",
+    is_flag=True,
+    help="Also store the passphrase in the OS keyring for `unlock --keyring`.",
+)
+@click.pass_context
+def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
+    """Create the home: vault, the gateway's SSH host key, policy directory."""
+    import asyncssh
+
+    from bastion import journal
+    from bastion.vault import Vault, VaultError
+
+    home = home_of(ctx)
+    if home.exists():
+        fail(f"{home.root} is already initialised (vault at {home.vault}); nothing was changed")
+    passphrase = read_passphrase(passphrase_stdin, False, home, confirm=True)
+    if not passphrase:
+        fail("an empty passphrase is not allowed; nothing was created")
+    home.make_dirs()
+    try:
+        vault = Vault.create(home.vault, passphrase)
+        vault.generate(journal.IDENTITY_LABEL)  # the journal identity: signs, reads the audit
+        journal.write_identity(home.journal, vault.private_key(journal.IDENTITY_LABEL).pyca_key)
+        vault.lock()
+    except VaultError as exc:
+        fail(str(exc))
+    key = asyncssh.generate_private_key("ssh-ed25519", comment="bastion-gateway")
+    old = os.umask(0o177)
+    try:
+        key.write_private_key(str(home.host_key))
+    finally:
+        os.umask(old)
+    public = key.export_public_key().decode().strip()
+    home.known_hosts.write_text(f"{HOST_KEY_ALIAS} {public}\n")
+    if use_keyring:
+        save_to_keyring(home, passphrase)
+    click.echo(
+        f"Initialised {home.root}\n"
+        f"  vault:     {home.vault} (locked)\n"
+        f"  policies:  {home.policies}/ (empty: add *.toml files, see policies/example.toml)\n"
+        "Next: `bastion key generate LABEL`, write a policy, `bastion daemon`, "
+        "`bastion unlock`, `bastion ssh-config > agent_ssh_config`."
+    )
+
+
+@main.command()
+@click.option(
+    "--policies",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Policy directory (default: HOME/policies).",
+)
+@click.option(
+    "--agent-socket",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Agent socket path (default: HOME/run/agent.sock).",
+)
+@click.option(
+    "--agent-group",
+    default=None,
+    help="Group allowed to connect to the agent socket (agents as another user).",
+)
+@click.option(
+    "--approval-timeout",
+    type=click.FloatRange(min=0.1),
+    default=defaults.APPROVAL_TIMEOUT,
+    show_default=True,
+    help="Seconds a card waits for an answer.",
+)
+@click.option(
+    "--command-ttl",
+    type=click.FloatRange(min=0.1),
+    default=defaults.COMMAND_TTL,
+    show_default=True,
+    help="Seconds an approved command may wait to be sent.",
+)
+@click.option(
+    "--keepalive",
+    type=click.FloatRange(min=0.1),
+    default=defaults.KEEPALIVE_INTERVAL,
+    show_default=True,
+    help=f"Seconds between keepalives to targets ({defaults.KEEPALIVE_COUNT_MAX} missed = "
+    "connection lost).",
+)
+@click.pass_context
+def daemon(
+    ctx: click.Context,
+    policies: Path | None,
+    agent_socket: Path | None,
+    agent_group: str | None,
+    approval_timeout: float,
+    command_ttl: float,
+    keepalive: float,
+) -> None:
+    """Run the gateway in the foreground. It starts locked."""
+    from bastion.gateway.lifetime import Settings, run_daemon
+
+    home = home_of(ctx)
+    if not home.exists():
+        fail(f"{home.root} is not initialised; run `bastion init` first")
+    gid = None
+    if agent_group is not None:
+        import grp
+
+        try:
+            gid = grp.getgrnam(agent_group).gr_gid
+        except KeyError:
+            fail(f"no group named {agent_group!r}")
+    run_daemon(
+        Settings(
+            home=home,
+            policies=(policies or home.policies).absolute(),
+            agent_socket=(agent_socket or home.agent_socket).absolute(),
+            agent_group=gid,
+            approval_timeout=approval_timeout,
+            command_approval_ttl=command_ttl,
+            keepalive_interval=keepalive,
+        )
+    )
+
+
+@main.command()
+@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@click.option("--keyring", "use_keyring", is_flag=True, help="Read it from the OS keyring.")
+@click.option("--store-keyring", is_flag=True, help="After unlocking, store it in the keyring.")
+@click.pass_context
+def unlock(
+    ctx: click.Context, passphrase_stdin: bool, use_keyring: bool, store_keyring: bool
+) -> None:
+    """Unlock the vault in the running gateway (ends every session approval)."""
+    home = home_of(ctx)
+    passphrase = read_passphrase(passphrase_stdin, use_keyring, home)
+    result = op(ctx, "unlock", timeout=60, passphrase=base64.b64encode(passphrase).decode())
+    if store_keyring:
+        save_to_keyring(home, passphrase)
+    click.echo(f"unlocked (vault epoch {result['vault_epoch']})")
+
+
+@main.command()
+@click.option(
+    "--terminate", is_flag=True, help="Also end every command in flight (each outcome is recorded)."
+)
+@click.pass_context
+def lock(ctx: click.Context, terminate: bool) -> None:
+    """Lock the vault: deny everything at once, end every approval, queue nothing."""
+    result = op(ctx, "lock", timeout=60, terminate=terminate)
+    ended = result.get("terminated") or []
+    click.echo(
+        f"locked (vault epoch {result['vault_epoch']})"
+        + (f"; ended {len(ended)} command(s) in flight: {' '.join(ended)}" if ended else "")
+    )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Gateway state: vault, policy, isolation."""
+    s = op(ctx, "status")
+
+    def human(s: dict[str, Any]) -> str:
+        policy = "ok" if s["policy"]["ok"] else f"UNAVAILABLE: {s['policy']['error']}"
+        return (
+            f"vault:     {'locked' if s['locked'] else 'unlocked'} (epoch {s['vault_epoch']})\n"
+            f"policy:    {policy}\n"
+            f"hosts:     {', '.join(s['policy']['hosts']) or '-'}\n"
+            f"isolation: {s['isolation']}\n"
+            f"pending:   {s['pending']} card(s), sessions: {s['sessions']}\n"
+            f"boot:      {s['boot_id']}"
+        )
+
+    emit(s, as_json, human)
+
+
+# -- the operator ---------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0, 600),
+    default=0.0,
+    help="Wait up to this many seconds for a card to arrive.",
+)
+@click.pass_context
+def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
+    """Cards waiting for an operator's answer."""
+    cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
+    emit(
+        cards,
+        as_json,
+        lambda cs: (
+            "\n\n".join(
+                render_card(c) + f"\n  decide:   bastion decide {c['id']} approve|deny" for c in cs
+            )
+            or "(no pending cards)"
+        ),
+    )
+
+
+@main.command()
+@click.pass_context
+def approve(ctx: click.Context) -> None:
+    """Interactive approvals: each card as it arrives; y approve, n deny,
+    d details (process chain, digests), q quit. Survives gateway restarts."""
+    sys.exit(run_prompt(home_of(ctx).operator_socket))
+
+
+@main.command()
+@click.argument("card_id")
+@click.argument("answer", type=click.Choice(["approve", "deny"]))
+@click.pass_context
+def decide(ctx: click.Context, card_id: str, answer: str) -> None:
+    """Answer one card."""
+    op(ctx, "answer", card=card_id, approve=answer == "approve")
+    click.echo(f"{card_id}: {'approved' if answer == 'approve' else 'denied'}")
+
+
+def _session_line(r: dict[str, Any]) -> str:
+    s = r["subject"]
+    return f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}"
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def sessions(ctx: click.Context, as_json: bool) -> None:
+    """Live session approvals."""
+    rows = op(ctx, "sessions")
+    emit(rows, as_json, lambda rs: "\n".join(map(_session_line, rs)) or "(no live sessions)")
+
+
+@main.command()
+@click.argument("session_id")
+@click.pass_context
+def revoke(ctx: click.Context, session_id: str) -> None:
+    """End one session approval now."""
+    op(ctx, "revoke", session=session_id)
+    click.echo(f"revoked {session_id}")
+
+
+@main.command()
+@click.argument("request_id")
+@click.pass_context
+def kill(ctx: click.Context, request_id: str) -> None:
+    """End a command in flight: signal it, then close its channel. Its outcome
+    is recorded as the target reports it (or `unknown` if it does not)."""
+    op(ctx, "kill", timeout=60, request=request_id)
+    click.echo(f"{request_id}: ended; see `bastion request {request_id}`")
+
+
+@main.command()
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def request(ctx: click.Context, request_id: str, as_json: bool) -> None:
+    """What became of one request: completed, denied, retry_safe,
+    status_unknown or in_flight (from the journal; no passphrase needed)."""
+    from bastion import journal
+    from bastion.core import events
+
+    home = home_of(ctx)
+    try:
+        live = opsock.call(home.operator_socket, "status", timeout=5)["boot_id"]
+    except opsock.OperatorError:
+        live = None
+    state = events.request_state(journal.records(home.journal), request_id, live)
+    if state is None:
+        fail(f"no request {request_id} in the journal at {home.journal}")
+    emit(
+        state,
+        as_json,
+        lambda s: (
+            f"{s['request_id']}: {s['state']}"
+            + (f" (exit {s['exit_status']})" if s.get("exit_status") is not None else "")
+            + (f" ({s['code']})" if s.get("code") else "")
+        ),
+    )
+
+
+@main.command()
+@click.option("--keep", is_flag=True, help="Keep the throwaway directory for inspection.")
+def demo(keep: bool) -> None:
+    """Throwaway sshd + bastion + one agent command, end to end."""
+    from bastion.devtools.demo import run_demo
+
+    sys.exit(run_demo(keep=keep))
+
+
+if __name__ == "__main__":
+    main()

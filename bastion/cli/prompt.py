@@ -1,0 +1,253 @@
+"""`bastion approve`: the operator's terminal prompt, and how a card reads.
+
+Events come from the gateway's watch stream; answers go back as ordinary
+`answer` requests over the operator socket. Every string on a card comes
+from the gateway already escaped where it must be (the command); the prompt
+adds only styling, and only when writing to a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import sys
+import termios
+import time
+import tty
+from pathlib import Path
+from typing import Any
+
+from bastion.opsock import OperatorError, call
+
+
+class Style:
+    """ANSI styling, only when writing to a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+    def bold(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def warn(self, text: str) -> str:
+        return self._wrap("33", text)
+
+    def good(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def bad(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+
+PLAIN = Style(False)
+
+
+def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAIN) -> str:
+    """A card as a person reads it: who asks, for what, and what changed."""
+    s = card["subject"]
+    what = "run a command" if card["kind"] == "command" else "use this host and account"
+    lines = [
+        style.bold(f"{card['id']}: {card['kind']} approval -- {what}"),
+        f"  target:   {card['user']}@{card['host']}  ({card['address']}:{card['port']}, "
+        f"host key {card['host_key_fingerprint']})",
+        f"  key:      {card['credential']}",
+        f"  asked by: pid {s['pid']}  {s['exe']}"
+        + (style.bad("  [executable deleted or replaced]") if s.get("exe_deleted") else ""),
+        f"            uid {s['uid']}, started {_when(s['start_time'])}"
+        + (f", run {s['run']!r}" if s.get("run") else ""),
+    ]
+    if card.get("reason"):
+        lines.append(style.warn(f"  changed:  an earlier approval ended: {card['reason']}"))
+    if card.get("conversation"):
+        lines.append(f"  conversation (shown, not trusted): {card['conversation']}")
+    if card.get("command") is not None:
+        lines.append(f"  command:  {style.bold(card['command'])}")
+    if details:
+        lines.append(f"  exe sha256:     {s['exe_sha256']}")
+        if card.get("command_sha256"):
+            lines.append(f"  command sha256: {card['command_sha256']}")
+        lines.append(f"  request:        {card['request_id']} (vault epoch {card['vault_epoch']})")
+        lines.append("  process chain (asking process first):")
+        for p in card.get("chain", []):
+            cmd = " ".join(p.get("cmdline") or [])[:120]
+            lines.append(f"    pid {p['pid']:>7}  uid {p['uid']}  {p['exe']}  {style.dim(cmd)}")
+            lines.append(f"             sha256 {p['exe_sha256']}")
+    return "\n".join(lines)
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+class Prompt:
+    """`bastion approve`: shows each card as it arrives and asks y/n/d.
+
+    Events come from the gateway's watch stream; answers go back as ordinary
+    `answer` requests. When the gateway goes away the prompt says so, waits,
+    and reconnects: cards of the old lifetime died with it.
+    """
+
+    RETRY = 1.0
+
+    def __init__(self, path: Path, infd: int, out: Any, style: Style) -> None:
+        self.path = path
+        self.infd = infd
+        self.out = out
+        self.style = style
+        self.cards: dict[str, dict[str, Any]] = {}
+        self.current: str | None = None
+        self.boot_id: str | None = None
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def run(self) -> int:
+        waiting_said = False
+        while True:
+            sock = self._connect()
+            if sock is None:
+                if not waiting_said:
+                    self.say(
+                        self.style.warn(
+                            f"gateway not running ({self.path}); waiting for it... (q to quit)"
+                        )
+                    )
+                    waiting_said = True
+                ready, _, _ = select.select([self.infd], [], [], self.RETRY)
+                if ready and self._quit_requested():
+                    return 0
+                continue
+            waiting_said = False
+            with sock:
+                if self._session(sock) == "quit":
+                    return 0
+            self.cards.clear()
+            self.current = None
+            self.say(self.style.warn("lost the gateway (stopped or restarted); reconnecting..."))
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.path))
+            sock.sendall(json.dumps({"op": "watch"}).encode() + b"\n")
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _quit_requested(self) -> bool:
+        data = os.read(self.infd, 64)
+        return not data or b"q" in data.lower()
+
+    def _session(self, sock: socket.socket) -> str:
+        buf = b""
+        while True:
+            ready, _, _ = select.select([sock, self.infd], [], [])
+            if sock in ready:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return "lost"
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    event = json.loads(line)
+                    if "event" not in event:  # the gateway refused this operator
+                        self.say(self.style.bad(f"refused: {event.get('error')}"))
+                        return "quit"
+                    self._event(event)
+            if self.infd in ready:
+                data = os.read(self.infd, 64)
+                if not data:
+                    return "quit"
+                for key in data.decode("utf-8", "replace").lower():
+                    if self._key(key) == "quit":
+                        return "quit"
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "hello":
+            again = self.boot_id is not None and self.boot_id != event["boot_id"]
+            self.boot_id = event["boot_id"]
+            state = "locked" if event["locked"] else "unlocked"
+            self.say(
+                self.style.dim(
+                    f"{'reconnected to a restarted' if again else 'connected to'} "
+                    f"gateway {event['boot_id']} (vault {state}); "
+                    "waiting for cards -- y approve, n deny, d details, q quit"
+                )
+            )
+        elif kind == "card":
+            self.cards[event["card"]["id"]] = event["card"]
+            self._show_next()
+        elif kind == "closed":
+            card_id, answer = event["card"], event["answer"]
+            self.cards.pop(card_id, None)
+            if card_id == self.current:
+                self.current = None
+                if answer not in ("approved", "declined"):
+                    why = {
+                        "withdrawn_locked": "the vault locked",
+                        "withdrawn_gone": "its process exited or disconnected",
+                        "timeout": "nobody answered in time",
+                        "unseen": "nobody answered in time",
+                    }.get(answer, answer)
+                    self.say(self.style.warn(f"  {card_id} withdrawn: {why}"))
+                self._show_next()
+        elif kind == "notice":
+            self.say(self.style.dim(f"  notice: {event['text']}"))
+
+    def _show_next(self) -> None:
+        if self.current is None and self.cards:
+            self.current = next(iter(self.cards))
+            self.say("")
+            self.say(render_card(self.cards[self.current], style=self.style))
+            self.out.write(self.style.bold("approve? [y/n/d] "))
+            self.out.flush()
+
+    def _key(self, key: str) -> str | None:
+        if key == "q":
+            return "quit"
+        card = self.cards.get(self.current or "")
+        if card is None:
+            return None
+        if key == "d":
+            self.say("\n" + render_card(card, details=True, style=self.style))
+            self.out.write(self.style.bold("approve? [y/n/d] "))
+            self.out.flush()
+        elif key in ("y", "n"):
+            try:
+                call(self.path, "answer", card=card["id"], approve=key == "y")
+                self.say(self.style.good("approved") if key == "y" else self.style.bad("denied"))
+            except OperatorError as exc:
+                self.say(self.style.bad(f"not applied: {exc}"))
+            self.cards.pop(card["id"], None)
+            self.current = None
+            self._show_next()
+        return None
+
+
+def approve(path: Path) -> int:
+    """Run the prompt on this terminal (cbreak mode: one key, no Enter)."""
+    infd = sys.stdin.fileno()
+    is_tty = os.isatty(infd)
+    prompt = Prompt(path, infd, sys.stdout, Style(is_tty and sys.stdout.isatty()))
+    if not is_tty:
+        return prompt.run()
+
+    saved = termios.tcgetattr(infd)
+    try:
+        tty.setcbreak(infd)
+        return prompt.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        termios.tcsetattr(infd, termios.TCSADRAIN, saved)

@@ -1,0 +1,95 @@
+"""The agent-facing error contract, in one place (docs/architecture.md, "What the agent sees").
+
+An agent reads exactly two things when the gateway ends its request: the exit
+status and the last stderr line, a JSON object. Both are derived here from a
+single `Code`, so a code can never travel with the wrong exit status or the
+wrong `retryable` flag.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+
+class Exit(enum.IntEnum):
+    """Exit statuses that tell an agent which kind of ending it met."""
+
+    DENIED = 77  # denied by the gateway; nothing was sent
+    NOT_REACHED = 69  # target not reached; nothing was sent
+    STATUS_UNKNOWN = 76  # dispatched, outcome not observed
+    INTERNAL = 70  # gateway fault
+
+
+class Code(enum.Enum):
+    """Every way the gateway itself can end a request."""
+
+    VAULT_LOCKED = "VAULT_LOCKED"
+    POLICY_DENIED = "POLICY_DENIED"
+    POLICY_UNAVAILABLE = "POLICY_UNAVAILABLE"
+    UNKNOWN_HOST = "UNKNOWN_HOST"
+    SESSION_DENIED = "SESSION_DENIED"
+    CALL_DENIED = "CALL_DENIED"
+    APPROVAL_TIMEOUT = "APPROVAL_TIMEOUT"
+    NO_APPROVER = "NO_APPROVER"
+    UNSUPPORTED_REQUEST = "UNSUPPORTED_REQUEST"
+    ACTION_OUTCOME_UNKNOWN = "ACTION_OUTCOME_UNKNOWN"
+    UNREACHABLE = "UNREACHABLE"
+    HOST_KEY_MISMATCH = "HOST_KEY_MISMATCH"
+    TARGET_AUTH_FAILED = "TARGET_AUTH_FAILED"
+    STATUS_UNKNOWN = "STATUS_UNKNOWN"
+    INTERNAL = "INTERNAL"
+
+    @property
+    def exit_status(self) -> int:
+        return int(CONTRACT[self][0])
+
+    @property
+    def retryable(self) -> bool:
+        """Whether repeating *this* request unchanged could succeed without a
+        person or the target being looked at first."""
+        return CONTRACT[self][1]
+
+
+# The contract table: code -> (exit status, retryable). Kept apart from the enum so
+# that two codes with the same contract stay two codes.
+CONTRACT: dict[Code, tuple[Exit, bool]] = {
+    Code.VAULT_LOCKED: (Exit.DENIED, False),
+    Code.POLICY_DENIED: (Exit.DENIED, False),
+    Code.POLICY_UNAVAILABLE: (Exit.DENIED, False),
+    Code.UNKNOWN_HOST: (Exit.DENIED, False),
+    Code.SESSION_DENIED: (Exit.DENIED, False),
+    Code.CALL_DENIED: (Exit.DENIED, False),
+    Code.APPROVAL_TIMEOUT: (Exit.DENIED, False),
+    Code.NO_APPROVER: (Exit.DENIED, False),
+    Code.UNSUPPORTED_REQUEST: (Exit.DENIED, False),
+    Code.ACTION_OUTCOME_UNKNOWN: (Exit.DENIED, False),
+    Code.UNREACHABLE: (Exit.NOT_REACHED, True),
+    Code.HOST_KEY_MISMATCH: (Exit.NOT_REACHED, False),
+    Code.TARGET_AUTH_FAILED: (Exit.NOT_REACHED, False),
+    Code.STATUS_UNKNOWN: (Exit.STATUS_UNKNOWN, False),
+    Code.INTERNAL: (Exit.INTERNAL, False),
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request ended by the gateway: what the agent is told, verbatim."""
+
+    code: Code
+    message: str
+    request_id: str
+    reauth_reason: str | None = None
+
+    def json_line(self) -> bytes:
+        """The single JSON line the agent finds last on stderr."""
+        error: dict[str, object] = {
+            "code": self.code.value,
+            "message": self.message,
+            "request_id": self.request_id,
+            "retryable": self.code.retryable,
+        }
+        if self.reauth_reason is not None:
+            error["reauth_reason"] = self.reauth_reason
+        return json.dumps({"ok": False, "error": error}, ensure_ascii=True).encode() + b"\n"

@@ -1,0 +1,14 @@
+"""Every tunable default, defined once.
+
+The CLI shows these as its option defaults, the gateway's `Settings` and the
+outbound dispatcher start from them, and the README quotes them.
+"""
+
+from __future__ import annotations
+
+APPROVAL_TIMEOUT = 120.0  # seconds a card waits for an operator's answer
+COMMAND_TTL = 60.0  # seconds an approved command may wait to be sent
+KEEPALIVE_INTERVAL = 15.0  # seconds between keepalives to a target
+KEEPALIVE_COUNT_MAX = 3  # missed keepalives before the connection counts as lost
+MAX_COMMAND_BYTES = 64 * 1024  # the longest command a card can show a person
+MAX_ROUNDS = 4  # gate -> card -> gate ...: a request never loops for ever

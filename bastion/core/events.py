@@ -1,0 +1,347 @@
+"""The journal's vocabulary, and every fold that reads it back.
+
+Each journal record has a plaintext `type` and `meta` (request ids, codes,
+exit statuses -- never a secret) and an encrypted event. The types exist
+once, here, as `EventType`; writers pass members, readers parse with
+`event_type`, and the four readings of a journal -- crash recovery, one
+request's state, the activity view, the sessions view -- are the folds below.
+Renaming an event is a change to one line of this file.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bastion.core.contract import Code
+from bastion.core.gate import EndReason
+
+
+class Outcome(enum.Enum):
+    """How a dispatched request ended, as far as anyone can know.
+
+    Before the exec request leaves, a failure means nothing ran (`not_started`);
+    after it, only an exit status or an exit signal is an answer -- any other
+    ending is `unknown`.
+    """
+
+    COMPLETED = "completed"
+    SIGNALLED = "signalled"
+    REMOTE_REJECTED = "remote_rejected"
+    UNKNOWN = "unknown"
+    NOT_STARTED = "not_started"
+
+
+@dataclass(frozen=True)
+class Result:
+    """What became of one dispatched request, as it is known."""
+
+    outcome: Outcome
+    exit_status: int | None = None
+    signal: tuple[str, bool, str, str] | None = None  # (name, core dumped, message, lang)
+    code: Code | None = None  # the agent-facing code when the gateway must explain the ending
+    message: str = ""
+    cause: str | None = None  # for not_started / unknown: what is known of why
+
+    def meta(self, request_id: str) -> dict[str, Any]:
+        """The plaintext of the record that ends the request's story."""
+        meta: dict[str, Any] = {"request_id": request_id}
+        if self.outcome is Outcome.COMPLETED:
+            meta["exit_status"] = self.exit_status
+        elif self.outcome is Outcome.SIGNALLED:
+            meta["signal"] = self.signal[0] if self.signal else None
+        else:
+            meta["code"] = self.code.value if self.code else None
+            meta["cause"] = self.cause
+        return meta
+
+
+class EventType(enum.Enum):
+    # the journal itself
+    BOOT = "boot"  # a gateway lifetime begins; meta: its boot key
+    TORN_TAIL = "torn_tail"  # a crash cut the last line short; it was set aside
+    CERTIFY = "certify"  # the journal identity vouches for a boot key and a head
+    GATEWAY_STOPPED = "gateway_stopped"
+    # the gateway's state
+    POLICY_LOADED = "policy_loaded"
+    POLICY_FAILED = "policy_failed"
+    VAULT_LOCKED = "vault_locked"
+    VAULT_UNLOCKED = "vault_unlocked"
+    RUN_REGISTERED = "run_registered"
+    # approvals
+    CARD_RAISED = "card_raised"
+    CARD_CLOSED = "card_closed"
+    SESSION_APPROVED = "session_approved"
+    SESSION_ENDED = "session_ended"
+    # one request's life: received, then denied, or dispatched and one outcome
+    REQUEST_RECEIVED = "request_received"
+    DENIED = "denied"
+    DISPATCH_STARTED = "dispatch_started"
+    COMPLETED = Outcome.COMPLETED.value
+    SIGNALLED = Outcome.SIGNALLED.value
+    REMOTE_REJECTED = Outcome.REMOTE_REJECTED.value
+    UNKNOWN = Outcome.UNKNOWN.value
+    NOT_STARTED = Outcome.NOT_STARTED.value
+    ACTION_ACKNOWLEDGED = "action_acknowledged"
+    # operator actions on requests
+    OPERATOR_KILL = "operator_kill"
+    OPERATOR_TERMINATE = "operator_terminate"
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> EventType:
+        return cls(outcome.value)
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The outcome this event records, if it is one."""
+        return _OUTCOME_OF.get(self)
+
+
+_OUTCOME_OF = {EventType.of(o): o for o in Outcome}
+# Why an outcome is what it is, when the gateway itself ended the request's story.
+CAUSE_RESTARTED = "gateway_restarted"  # closed by the next lifetime's recovery
+CAUSE_STOPPED = "gateway_stopped"  # its gateway is gone and no lifetime has closed it yet
+CAUSE_KILLED = "killed"  # the operator ended it (kill, lock --terminate)
+CAUSE_LOST = "connection_lost"  # the connection to the target ended first
+
+# Every way a request's journal story can end: one of these, exactly once.
+TERMINAL = frozenset({EventType.DENIED, *_OUTCOME_OF})
+
+
+class Entry(Protocol):
+    """What the folds read of a journal record (journal.Record is one)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def boot(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+
+def event_type(entry: Entry) -> EventType | None:
+    """The record's type, or None for one this version does not know."""
+    try:
+        return EventType(entry.type)
+    except ValueError:
+        return None
+
+
+class RequestState(enum.Enum):
+    """What `bastion request` answers."""
+
+    COMPLETED = "completed"
+    DENIED = "denied"
+    RETRY_SAFE = "retry_safe"
+    STATUS_UNKNOWN = "status_unknown"
+    IN_FLIGHT = "in_flight"
+
+
+# -- action keys ---------------------------------------------------------------------------
+
+
+@dataclass
+class ActionKeys:
+    """Which logical actions (BASTION_ACTION_KEY, hashed) must be looked at
+    before they are tried again: an action's last attempt decides -- an unknown
+    outcome blocks it, any other outcome clears it, and so does the agent's
+    acknowledgement."""
+
+    blocked: dict[str, str] = field(default_factory=dict)  # action -> request id
+
+    def outcome(self, action: str, request_id: str, outcome: Outcome) -> None:
+        if outcome is Outcome.UNKNOWN:
+            self.blocked[action] = request_id
+        else:
+            self.blocked.pop(action, None)
+
+    def acknowledge(self, action: str) -> bool:
+        """The agent inspected the target; True if the action was blocked."""
+        return self.blocked.pop(action, None) is not None
+
+    def blocking(self, action: str | None) -> str | None:
+        return self.blocked.get(action) if action else None
+
+
+# -- crash recovery ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a new lifetime must close, and the action keys it inherits."""
+
+    unknown: tuple[str, ...]  # dispatched, no outcome: closed as `unknown`
+    not_started: tuple[str, ...]  # received, never dispatched: nothing was sent
+    actions: Mapping[str, str]  # blocked action -> request id, after closing `unknown`
+
+
+def recover(entries: Iterable[Entry]) -> Recovery:
+    """Read a journal left by earlier lifetimes: every request that has no
+    terminal event yet gets one now. The intent (`dispatch_started`) is on disk
+    before the exec request leaves, so its absence proves nothing was sent."""
+    stage: dict[str, EventType] = {}  # request id -> its last life event
+    action_of: dict[str, str] = {}
+    actions = ActionKeys()
+    for entry in entries:
+        kind = event_type(entry)
+        rid = entry.meta.get("request_id")
+        if kind is EventType.ACTION_ACKNOWLEDGED:
+            actions.acknowledge(entry.meta.get("action", ""))
+        if not isinstance(rid, str) or kind is None:
+            continue
+        if kind is EventType.REQUEST_RECEIVED:
+            stage[rid] = kind
+            if entry.meta.get("action"):
+                action_of[rid] = entry.meta["action"]
+        elif kind is EventType.DISPATCH_STARTED or kind in TERMINAL:
+            stage[rid] = kind
+        if kind.outcome is not None and rid in action_of:
+            actions.outcome(action_of[rid], rid, kind.outcome)
+    unknown = tuple(r for r, k in stage.items() if k is EventType.DISPATCH_STARTED)
+    for rid in unknown:
+        if rid in action_of:
+            actions.outcome(action_of[rid], rid, Outcome.UNKNOWN)
+    not_started = tuple(r for r, k in stage.items() if k is EventType.REQUEST_RECEIVED)
+    return Recovery(unknown, not_started, dict(actions.blocked))
+
+
+def recovered_meta(request_id: str, outcome: Outcome) -> dict[str, Any]:
+    """The plaintext of the record that closes a request its lifetime left open."""
+    code = Code.STATUS_UNKNOWN.value if outcome is Outcome.UNKNOWN else None
+    return {"request_id": request_id, "code": code, "cause": CAUSE_RESTARTED}
+
+
+# -- one request ---------------------------------------------------------------------------
+
+
+def request_state(
+    entries: Iterable[Entry], request_id: str, live_boot: str | None
+) -> dict[str, Any] | None:
+    """What became of one request, from plaintext metadata alone."""
+    state: dict[str, Any] | None = None
+    boot = None
+    dispatched = False
+    for entry in entries:
+        if entry.meta.get("request_id") != request_id:
+            continue
+        kind = event_type(entry)
+        if kind is EventType.REQUEST_RECEIVED:
+            state = {
+                "request_id": request_id,
+                "state": RequestState.IN_FLIGHT.value,
+                "exit_status": None,
+                "code": None,
+            }
+            boot = entry.boot
+        elif state is None:
+            continue
+        elif kind is EventType.DISPATCH_STARTED:
+            dispatched = True
+        elif kind is EventType.DENIED:
+            state.update(state=RequestState.DENIED.value, code=entry.meta.get("code"))
+        elif kind is EventType.COMPLETED:
+            state.update(
+                state=RequestState.COMPLETED.value, exit_status=entry.meta.get("exit_status")
+            )
+        elif kind is EventType.SIGNALLED:
+            state.update(
+                state=RequestState.COMPLETED.value, code=None, signal=entry.meta.get("signal")
+            )
+        elif kind in (EventType.NOT_STARTED, EventType.REMOTE_REJECTED):
+            state.update(
+                state=RequestState.RETRY_SAFE.value,
+                code=entry.meta.get("code"),
+                cause=entry.meta.get("cause"),
+            )
+        elif kind is EventType.UNKNOWN:
+            state.update(
+                state=RequestState.STATUS_UNKNOWN.value,
+                code=Code.STATUS_UNKNOWN.value,
+                cause=entry.meta.get("cause"),
+            )
+    if state is not None and state["state"] == RequestState.IN_FLIGHT.value and boot != live_boot:
+        # No outcome and its gateway is gone; the next start closes it the same way.
+        if dispatched:
+            state.update(
+                state=RequestState.STATUS_UNKNOWN.value,
+                code=Code.STATUS_UNKNOWN.value,
+                cause=CAUSE_STOPPED,
+            )
+        else:
+            state.update(state=RequestState.RETRY_SAFE.value, cause=CAUSE_STOPPED)
+    return state
+
+
+# -- views (they need the decrypted events) --------------------------------------------------
+
+
+def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per request: what was asked, by whom, and how it ended."""
+    rows: dict[str, dict[str, Any]] = {}
+    for entry, e in events:
+        rid = entry.meta.get("request_id")
+        kind = event_type(entry)
+        if not rid or kind is None:
+            continue
+        if kind is EventType.REQUEST_RECEIVED:
+            rows[rid] = {
+                "request_id": rid,
+                "session_id": None,
+                "host": e.get("host"),
+                "user": e.get("user"),
+                "command": e.get("command"),
+                "command_sha256": e.get("command_sha256"),
+                "outcome": RequestState.IN_FLIGHT.value,
+                "code": None,
+                "exit_status": None,
+                "cause": None,
+                "subject": e.get("subject"),
+                "received_at": e.get("t"),
+            }
+            continue
+        row = rows.get(rid)
+        if row is None:
+            continue
+        if kind is EventType.DENIED:
+            row.update(outcome=RequestState.DENIED.value, code=entry.meta.get("code"))
+        elif kind is EventType.DISPATCH_STARTED:
+            row.update(
+                session_id=entry.meta.get("session_id"), outcome=RequestState.IN_FLIGHT.value
+            )
+        elif kind.outcome is not None:
+            row.update(
+                outcome=kind.outcome.value,
+                code=entry.meta.get("code"),
+                exit_status=entry.meta.get("exit_status"),
+                cause=entry.meta.get("cause"),
+            )
+    return list(rows.values())
+
+
+def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per session approval: when it began, when and why it ended."""
+    rows: dict[str, dict[str, Any]] = {}
+    for entry, e in events:
+        sid = entry.meta.get("session_id")
+        kind = event_type(entry)
+        if kind is EventType.SESSION_APPROVED and sid:
+            rows[sid] = {
+                "session_id": sid,
+                "host": e.get("host"),
+                "user": e.get("user"),
+                "subject": e.get("subject"),
+                "approved_at": e.get("t"),
+                "ended_at": None,
+                "end_reason": None,
+            }
+        elif kind is EventType.SESSION_ENDED and sid in rows:
+            rows[sid].update(ended_at=e.get("t"), end_reason=entry.meta.get("reason"))
+        elif kind is EventType.BOOT:  # a new lifetime ends every approval of the last one
+            for row in rows.values():
+                if row["end_reason"] is None:
+                    row.update(ended_at=e.get("t"), end_reason=EndReason.GATEWAY_RESTARTED.value)
+    return list(rows.values())

@@ -1,0 +1,355 @@
+"""The policy model: which hosts exist, which accounts on them, which commands they may run.
+
+The policy is the operator's written intent, so every doubt fails closed: a typo, a wrong
+type or an unreadable key makes the whole policy unavailable rather than silently narrower
+or wider. Everything here is pure: `policy_files.py` reads the files and hands their text
+to `build_policy`; the gate reads the result.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import difflib
+import enum
+import fnmatch
+import hashlib
+import json
+import math
+import re
+import tomllib
+import unicodedata
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+
+NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAME_RE = re.compile(NAME_PATTERN)
+_HOST_FIELDS = ("address", "port", "host_key", "connect_timeout", "accounts")
+_ACCOUNT_FIELDS = ("user", "credential", "approval", "allow", "deny", "preapproved")
+_HOST_KEY_TYPES = (
+    "ssh-ed25519",
+    "ssh-rsa",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+)
+
+
+class PolicyError(Exception):
+    """The policy cannot be trusted as written; the message names file, host and field."""
+
+
+class ApprovalMode(enum.Enum):
+    SESSION = "session"
+    PER_COMMAND = "per-command"
+
+
+@dataclass(frozen=True)
+class Account:
+    user: str
+    credential: str
+    approval: ApprovalMode
+    allow: tuple[str, ...] | None
+    deny: tuple[str, ...]
+    preapproved: tuple[str, ...]
+    host: str = ""  # alias of the owning host, so reasons can say "deploy@web1"
+
+    @property
+    def label(self) -> str:
+        return f"{self.user}@{self.host}" if self.host else self.user
+
+
+@dataclass(frozen=True)
+class Host:
+    alias: str
+    address: str
+    port: int
+    host_key: str
+    connect_timeout: float
+    accounts: tuple[Account, ...]
+    source: str
+    fingerprint: str = ""  # of host_key, computed once when the policy is parsed
+
+    def account(self, user: str) -> Account | None:
+        return next((a for a in self.accounts if a.user == user), None)
+
+
+@dataclass(frozen=True)
+class Policy:
+    hosts: Mapping[str, Host]
+    digest: str
+    files: tuple[str, ...]
+
+    def host(self, alias: str) -> Host | None:
+        """Case-insensitive fallback because OpenSSH lowercases the destination (%h).
+
+        Aliases that differ only by case are rejected at load, so this is unambiguous.
+        """
+        found = self.hosts.get(alias)
+        if found is None:
+            found = next((h for a, h in self.hosts.items() if a.lower() == alias.lower()), None)
+        return found
+
+
+@dataclass(frozen=True)
+class CommandCheck:
+    allowed: bool
+    rule: str | None
+    reason: str
+
+
+def quote(value: object) -> str:
+    """JSON quoting escapes control bytes, so a hostile string cannot drive the terminal."""
+    return json.dumps(value, ensure_ascii=True, default=str)
+
+
+def fail(where: str, message: str) -> NoReturn:
+    raise PolicyError(f"{where}: {message}")
+
+
+def _plain(text: str) -> bool:
+    """Names travel into SSH handshakes and cards; whitespace or control chars there hide."""
+    return bool(text) and all(not c.isspace() and unicodedata.category(c)[0] != "C" for c in text)
+
+
+def _check_fields(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key, value in table.items():
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f'did you mean "{close[0]}"?' if close else f"known fields: {', '.join(known)}"
+        if isinstance(value, dict) and "address" in known:
+            hint += '; an alias containing dots must be quoted: [hosts."db1.example.com"]'
+        fail(where, f"unknown field {quote(key)} ({hint})")
+
+
+def _require(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        fail(where, f'missing required field "{key}"')
+    return table[key]
+
+
+def _name(value: object, field: str, where: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        fail(where, f'field "{field}" must be a string matching {NAME_PATTERN}, got {quote(value)}')
+    return value
+
+
+def _globs(table: dict[str, Any], field: str, where: str) -> tuple[str, ...] | None:
+    if field not in table:
+        return None
+    value = table[field]
+    if not isinstance(value, list):
+        fail(where, f'field "{field}" must be a list of glob strings, got {quote(value)}')
+    for i, glob in enumerate(value):
+        if not isinstance(glob, str) or not glob:
+            fail(where, f'field "{field}"[{i}] must be a non-empty string, got {quote(glob)}')
+    return tuple(value)
+
+
+def host_key_fingerprint(host_key: str) -> str:
+    """OpenSSH's `SHA256:` fingerprint of a public key line (as `ssh-keygen -l` prints it)."""
+    blob = base64.b64decode(host_key.split()[1], validate=True)
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def _host_key(value: object, where: str) -> str:
+    line = value.strip() if isinstance(value, str) else ""
+    # One line only: a PEM block or a private key is never a pin.
+    if not line or "\n" in line or "\r" in line:
+        fail(where, 'field "host_key" must be one OpenSSH public key line ("ssh-ed25519 AAAA…")')
+    if line.split()[0] not in _HOST_KEY_TYPES:
+        fail(where, 'field "host_key" must be in OpenSSH format ("ssh-ed25519 AAAA… comment")')
+    try:
+        load_ssh_public_key(line.encode())  # the blob's own type must match the prefix
+        host_key_fingerprint(line)
+    except (ValueError, UnsupportedAlgorithm, binascii.Error, IndexError) as exc:
+        fail(where, f'field "host_key" is not a valid OpenSSH public key: {exc}')
+    return line
+
+
+def _parse_account(raw: object, host: str, where: str) -> Account:
+    if not isinstance(raw, dict):
+        fail(where, "each account must be a table: [[hosts.<alias>.accounts]]")
+    _check_fields(raw, _ACCOUNT_FIELDS, where)
+    user = _require(raw, "user", where)
+    if not isinstance(user, str) or not _plain(user):
+        fail(where, f'field "user" must be a non-empty string without spaces, got {quote(user)}')
+    credential = _name(_require(raw, "credential", where), "credential", where)
+    approval = raw.get("approval", ApprovalMode.SESSION.value)
+    modes = [m.value for m in ApprovalMode]
+    if approval not in modes:
+        fail(
+            where,
+            f'field "approval" must be one of {", ".join(map(quote, modes))}, '
+            f"got {quote(approval)}",
+        )
+    return Account(
+        user=user,
+        credential=credential,
+        approval=ApprovalMode(approval),
+        allow=_globs(raw, "allow", where),
+        deny=_globs(raw, "deny", where) or (),
+        preapproved=_globs(raw, "preapproved", where) or (),
+        host=host,
+    )
+
+
+def _parse_host(alias: str, raw: object, source: str) -> Host:
+    where = f"{source}: hosts.{alias}"
+    if not isinstance(raw, dict):
+        fail(where, f"must be a table: [hosts.{alias}]")
+    _check_fields(raw, _HOST_FIELDS, where)
+    address = _require(raw, "address", where)
+    if not isinstance(address, str) or not _plain(address) or address.startswith("-"):
+        fail(where, f'field "address" must be a hostname or IP address, got {quote(address)}')
+    port = raw.get("port", 22)
+    if type(port) is not int or not 1 <= port <= 65535:
+        fail(where, f'field "port" must be an integer 1..65535, got {quote(port)}')
+    timeout = raw.get("connect_timeout", 10)
+    if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout <= 0:
+        fail(
+            where, f'field "connect_timeout" must be a number of seconds > 0, got {quote(timeout)}'
+        )
+    host_key = _host_key(_require(raw, "host_key", where), where)
+    raw_accounts = raw.get("accounts")
+    if not isinstance(raw_accounts, list) or not raw_accounts:
+        fail(where, f'field "accounts" is missing or empty: add a [[hosts.{alias}.accounts]]')
+    accounts: list[Account] = []
+    for i, raw_account in enumerate(raw_accounts):
+        account = _parse_account(raw_account, alias, f"{where}.accounts[{i}]")
+        if any(a.user == account.user for a in accounts):
+            fail(f"{where}.accounts[{i}]", f'duplicate "user" {quote(account.user)} on this host')
+        accounts.append(account)
+    return Host(
+        alias,
+        address,
+        port,
+        host_key,
+        float(timeout),
+        tuple(accounts),
+        source,
+        host_key_fingerprint(host_key),
+    )
+
+
+def parse_policy_text(text: str, source: str) -> dict[str, Host]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{source}: invalid TOML: {exc}") from None
+    _check_fields(data, ("hosts",), source)
+    raw_hosts = data.get("hosts", {})
+    if not isinstance(raw_hosts, dict):
+        fail(source, 'field "hosts" must be a table: [hosts.<alias>]')
+    hosts: dict[str, Host] = {}
+    for alias, raw in raw_hosts.items():
+        if not _NAME_RE.fullmatch(alias):
+            fail(f"{source}: hosts.{quote(alias)}", f"host alias must match {NAME_PATTERN}")
+        if any(a.lower() == alias.lower() for a in hosts):
+            fail(f"{source}: hosts.{alias}", "alias differs from another only by case")
+        hosts[alias] = _parse_host(alias, raw, source)
+    return hosts
+
+
+def _sha256_json(doc: object) -> str:
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _host_doc(host: Host) -> dict[str, Any]:
+    return {
+        "alias": host.alias,
+        "address": host.address,
+        "port": host.port,
+        "host_key": host.host_key,
+        "connect_timeout": host.connect_timeout,
+    }
+
+
+def _account_doc(a: Account) -> dict[str, Any]:
+    return {
+        "user": a.user,
+        "credential": a.credential,
+        "approval": a.approval.value,
+        "allow": None if a.allow is None else list(a.allow),
+        "deny": list(a.deny),
+        "preapproved": list(a.preapproved),
+    }
+
+
+def entry_digest(host: Host, account: Account) -> str:
+    """Session approvals are bound to this: only a change to *this* entry voids them."""
+    return _sha256_json(
+        {
+            "v": 1,
+            "kind": "bastion.policy-entry",
+            "host": _host_doc(host),
+            "account": _account_doc(account),
+        }
+    )
+
+
+def build_policy(files: Iterable[tuple[str, str, str]]) -> Policy:
+    """One policy from its files, given as (file name, source path, text) in load order.
+
+    An alias may be defined once across all files; the digest covers every file name
+    and every field, so any edit anywhere is a new policy.
+    """
+    hosts: dict[str, Host] = {}
+    names: list[str] = []
+    sources: list[str] = []
+    for name, source, text in files:
+        for alias, host in parse_policy_text(text, source).items():
+            prev = next((h for h in hosts.values() if h.alias.lower() == alias.lower()), None)
+            if prev is not None:
+                fail(f"{source}: hosts.{alias}", f"host alias already defined in {prev.source}")
+            hosts[alias] = host
+        names.append(name)
+        sources.append(source)
+    digest = _sha256_json(
+        {
+            "v": 1,
+            "kind": "bastion.policy",
+            "files": names,
+            "hosts": {
+                h.alias: {
+                    **_host_doc(h),
+                    "source": h.source.rsplit("/", 1)[-1],
+                    "accounts": [_account_doc(a) for a in h.accounts],
+                }
+                for h in hosts.values()
+            },
+        }
+    )
+    return Policy(MappingProxyType(hosts), digest, tuple(sources))
+
+
+def check_command(account: Account, command: str) -> CommandCheck:
+    """Deny wins; a present allow list is exhaustive. `*` spans spaces, `;` and `/`,
+    so globs describe the exact string the remote shell gets, not a sandbox."""
+    who = account.label
+    for rule in account.deny:
+        if fnmatch.fnmatchcase(command, rule):
+            return CommandCheck(False, rule, f"command matches deny rule {quote(rule)} for {who}")
+    if account.allow is None:
+        return CommandCheck(True, None, f"no deny rule matches and {who} has no allow list")
+    for rule in account.allow:
+        if fnmatch.fnmatchcase(command, rule):
+            return CommandCheck(True, rule, f"command matches allow rule {quote(rule)} for {who}")
+    if not account.allow:
+        return CommandCheck(False, None, f"{who} allows no commands (allow = [])")
+    allowed = ", ".join(quote(r) for r in account.allow)
+    return CommandCheck(False, None, f"command matches no allow rule for {who}; allowed: {allowed}")
+
+
+def is_preapproved(account: Account, command: str) -> bool:
+    """Also requires check_command to pass, so a preapproval can never outrank deny/allow."""
+    return check_command(account, command).allowed and any(
+        fnmatch.fnmatchcase(command, rule) for rule in account.preapproved
+    )

@@ -1,0 +1,1 @@
+"""Tools to develop and show bastion, outside its trust path: the demo, the sshd fixture."""

@@ -1,0 +1,373 @@
+"""A throwaway OpenSSH server on a loopback port, for tests and ``bastion demo``.
+
+The bastion is only as trustworthy as its behaviour against a *real* sshd, so tests run
+the distribution's ``/usr/sbin/sshd`` directly (CI has no Docker engine) with the config
+in ``fixtures/sshd/sshd_config.template``; the container tier runs the same template in
+the image ``fixtures/sshd/Dockerfile`` builds.
+
+This module is deliberately self-contained (stdlib + psutil, no pytest, no imports from
+the test suite or the product): it is a development tool shipped for the demo, outside
+bastion's trust path. Its helpers are in ``sshd_setup.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+from types import TracebackType
+
+import psutil
+
+from bastion.devtools.sshd_setup import (
+    LOOPBACK,
+    POLL_INTERVAL,
+    PRIVSEP_DIR,
+    STOP_TIMEOUT,
+    TEMPLATE_ENV,
+    SshdError,
+    answers_banner,
+    check_key_line,
+    check_path,
+    current_user,
+    end_processes,
+    find_template,
+    run_tool,
+    sshd_available,
+    tagged_processes,
+    wait_status,
+    write_private,
+)
+from bastion.devtools.sshd_setup import free_port as _free_port  # tests replace it
+
+__all__ = [
+    "SESSION_TAG_ENV",
+    "TEMPLATE_ENV",
+    "Sshd",
+    "SshdError",
+    "SshdInfo",
+    "find_template",
+    "sshd_available",
+]
+
+#: Set in every session's environment (sshd_config SetEnv) to the owning fixture's id.
+SESSION_TAG_ENV = "BASTION_SSHD_FIXTURE"
+
+_PORT_ATTEMPTS = 5
+# What sshd prints when the port we picked was taken between our probe and its bind().
+_BIND_FAILURE_MARKERS = ("Bind to port", "Cannot bind any address", "Address already in use")
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class SshdInfo:
+    """Everything a client (or a bastion policy) needs to reach and pin the server."""
+
+    address: str  # "127.0.0.1"
+    port: int
+    host_key: str  # "ssh-ed25519 AAAA...", no comment: the form a policy pins
+    user: str  # the login user: whoever runs the tests (often root in containers)
+    run_dir: Path
+    log_path: Path  # sshd's stderr (-e), accumulated across restarts
+    authorized_keys: Path
+
+    def known_hosts_line(self) -> str:
+        """The known_hosts entry OpenSSH expects for a non-22 port."""
+        return f"[{self.address}]:{self.port} {self.host_key}"
+
+
+class Sshd:
+    """A throwaway OpenSSH server on a free loopback port.
+
+    One instance owns one run dir and one host key for its whole life, so ``stop()`` then
+    ``start()`` behaves like a rebooted server: same key, same authorized_keys, new port.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        authorized_keys: list[str] | tuple[str, ...] = (),
+        sshd_path: str = "/usr/sbin/sshd",
+        template: Path | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.sshd_path = sshd_path
+        self.template = template
+        self.config_path = self.run_dir / "sshd_config"
+        self.host_key_path = self.run_dir / "ssh_host_ed25519_key"
+        self.authorized_keys_path = self.run_dir / "authorized_keys"
+        self.pid_file = self.run_dir / "sshd.pid"
+        self.log_path = self.run_dir / "sshd.log"
+        self.fixture_id = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self._pending_keys: list[str] = [check_key_line(k) for k in authorized_keys]
+        self._prepared = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._info: SshdInfo | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> SshdInfo:
+        """Start sshd and return only once it answers with an SSH banner.
+
+        Raises SshdError with sshd's log tail on any failure, so a broken fixture reads as
+        a fixture problem rather than a mysterious client-side 255.
+        """
+        if self.running:
+            raise SshdError(f"sshd already running (pid {self.pid})")
+        reason = sshd_available(self.sshd_path)
+        if reason is not None:
+            raise SshdError(reason)
+        deadline = time.monotonic() + timeout
+        self._prepare()
+        template = Template((self.template or find_template()).read_text(encoding="utf-8"))
+
+        last_log = ""
+        try:
+            for attempt in range(_PORT_ATTEMPTS):
+                port = _free_port(LOOPBACK)
+                self._write_config(template, port)
+                if attempt == 0:
+                    self._validate_config()
+                outcome, last_log = self._launch_and_wait(port, deadline)
+                if outcome == "up":
+                    self._info = SshdInfo(
+                        address=LOOPBACK,
+                        port=port,
+                        host_key=self._public_host_key(),
+                        user=current_user(),
+                        run_dir=self.run_dir,
+                        log_path=self.log_path,
+                        authorized_keys=self.authorized_keys_path,
+                    )
+                    return self._info
+                if outcome == "timeout":
+                    raise SshdError(
+                        f"sshd did not answer an SSH banner on {LOOPBACK}:{port} within "
+                        f"{timeout}s; log tail:\n{last_log}"
+                    )
+                # "bind": the port was taken between _free_port() and sshd's bind(); retry.
+        except BaseException:
+            # Also on KeyboardInterrupt: never leave a half-started daemon behind.
+            self.stop()
+            raise
+        raise SshdError(
+            f"sshd could not bind a free loopback port in {_PORT_ATTEMPTS} attempts; "
+            f"log tail:\n{last_log}"
+        )
+
+    def stop(self) -> None:
+        """Stop the listener and every session it spawned; safe to call repeatedly.
+
+        sshd's listener exits on SIGTERM without touching established sessions, and a
+        command whose connection a test cut keeps running as an orphan; either would leak
+        into the next test, so both are ended here.
+        """
+        proc = self._proc
+        self._proc = None
+        self._info = None
+        victims: dict[int, psutil.Process] = {}
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                # Freeze the listener first so it cannot fork a new session between our
+                # listing its children and its exit.
+                os.kill(proc.pid, signal.SIGSTOP)
+                children = psutil.Process(proc.pid).children(recursive=True)
+                victims.update((c.pid, c) for c in children)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+                # A stopped process acts on SIGTERM only once continued; this also covers
+                # a fixture left paused by a test.
+                os.kill(proc.pid, signal.SIGCONT)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT)
+        if self._prepared:
+            victims.update((v.pid, v) for v in tagged_processes(SESSION_TAG_ENV, self.fixture_id))
+        end_processes(list(victims.values()))
+
+    def pause(self) -> None:
+        """SIGSTOP the listener: new connections hang in the backlog, sessions carry on.
+
+        Returns once the kernel reports the process stopped, so a test's next step really
+        runs against a frozen server.
+        """
+        pid = self._require_running()
+        os.kill(pid, signal.SIGSTOP)
+        wait_status(pid, psutil.STATUS_STOPPED, want=True)
+
+    def resume(self) -> None:
+        """SIGCONT the listener; connections queued while paused are then served."""
+        pid = self._require_running()
+        os.kill(pid, signal.SIGCONT)
+        wait_status(pid, psutil.STATUS_STOPPED, want=False)
+
+    def __enter__(self) -> Sshd:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- state -----------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def info(self) -> SshdInfo:
+        if self._info is None or not self.running:
+            raise SshdError("sshd is not running; call start() first")
+        return self._info
+
+    def authorize(self, public_key_line: str) -> None:
+        """Trust another client key. sshd re-reads the file per authentication attempt, so
+        this affects new connections only, with no restart needed."""
+        line = check_key_line(public_key_line)
+        if not self._prepared:
+            self._pending_keys.append(line)
+            return
+        fd = os.open(self.authorized_keys_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def session_pids(self) -> list[int]:
+        """Pids of the per-connection sshd processes (direct children of the listener).
+
+        Killing one cuts that connection as a network failure would; the remote command
+        lives on as an orphan until stop(), as it would on a real target. For a root login
+        this child *is* the session ("sshd: root@notty": OpenSSH skips the post-auth
+        privilege drop for uid 0); for other users it is the "[priv]" monitor of one. A
+        connection still in pre-auth (even a banner probe) has such a child too.
+        """
+        pid = self._require_running()
+        try:
+            children = psutil.Process(pid).children(recursive=False)
+        except psutil.NoSuchProcess:
+            return []
+        return [c.pid for c in sorted(children, key=lambda c: (c.create_time(), c.pid))]
+
+    def log_text(self) -> str:
+        """sshd's log so far: tests grep it for what the bastion did or did not request."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- internals -------------------------------------------------------------------
+
+    def _require_running(self) -> int:
+        if self._proc is None or self._proc.poll() is not None:
+            raise SshdError("sshd is not running")
+        return self._proc.pid
+
+    def _prepare(self) -> None:
+        """One-time per instance: fresh host key, initial authorized_keys, privsep dir."""
+        if os.geteuid() == 0:
+            # Root sshd chroots its pre-auth child into this dir and refuses to start
+            # ("Missing privilege separation directory") if it is absent.
+            PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+            os.chmod(PRIVSEP_DIR, 0o755)
+        if self._prepared:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for path in (self.run_dir, self.host_key_path, self.authorized_keys_path):
+            check_path(path)
+        for path in (self.host_key_path, self.host_key_path.with_suffix(".pub")):
+            path.unlink(missing_ok=True)  # ssh-keygen would otherwise prompt to overwrite
+        keygen = ["ssh-keygen", "-t", "ed25519", "-N", "", "-q", "-C", "bastion-test-sshd"]
+        run_tool([*keygen, "-f", str(self.host_key_path)])
+        write_private(self.authorized_keys_path, "".join(k + "\n" for k in self._pending_keys))
+        self._pending_keys.clear()
+        self._prepared = True
+
+    def _public_host_key(self) -> str:
+        fields = self.host_key_path.with_suffix(".pub").read_text(encoding="utf-8").split()
+        return f"{fields[0]} {fields[1]}"
+
+    def _write_config(self, template: Template, port: int) -> None:
+        try:
+            text = template.substitute(
+                listen_address=LOOPBACK,
+                port=port,
+                host_key=self.host_key_path,
+                authorized_keys=self.authorized_keys_path,
+                pid_file=self.pid_file,
+                run_dir=self.run_dir,
+                user=current_user(),
+                fixture_id=self.fixture_id,
+            )
+        except (KeyError, ValueError) as e:
+            raise SshdError(f"bad placeholder in sshd config template: {e}") from e
+        self.config_path.write_text(text, encoding="utf-8")
+
+    def _validate_config(self) -> None:
+        result = run_tool([self.sshd_path, "-t", "-f", str(self.config_path)], check=False)
+        if result.returncode != 0:
+            raise SshdError(
+                f"sshd -t rejected {self.config_path} (exit {result.returncode}):\n"
+                f"{result.stdout}{result.stderr}"
+            )
+
+    def _launch_and_wait(self, port: int, deadline: float) -> tuple[str, str]:
+        """Run sshd and poll until it is up, dead, or out of time.
+
+        Returns ("up" | "bind" | "timeout", log tail of this attempt).
+        """
+        with open(self.log_path, "ab") as log:
+            offset = log.tell()
+            argv = [self.sshd_path, "-D", "-e", "-f", str(self.config_path)]
+            log.write(f"--- bastion fixture: {' '.join(argv)} (port {port})\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
+            )
+        proc = self._proc
+        while True:
+            if proc.poll() is not None:
+                self._proc = None
+                tail = self._log_tail(offset)
+                if any(marker in tail for marker in _BIND_FAILURE_MARKERS):
+                    return "bind", tail
+                raise SshdError(f"sshd exited with {proc.returncode} on startup; log tail:\n{tail}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout", self._log_tail(offset)
+            # The banner alone could come from someone else's server that won the race for
+            # this port; sshd logs "Server listening" only once its own bind() succeeded.
+            if (
+                answers_banner(LOOPBACK, port, timeout=min(0.5, remaining))
+                and f"Server listening on {LOOPBACK} port {port}." in self._log_since(offset)
+                and proc.poll() is None
+            ):
+                return "up", ""
+            time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _log_tail(self, offset: int) -> str:
+        return "\n".join(self._log_since(offset).splitlines()[-_LOG_TAIL_LINES:])

@@ -1,0 +1,215 @@
+"""The sshd fixture's tools: finding and checking what sshd needs, and ending what it ran.
+
+Split from `sshd_fixture.py` so the `Sshd` class reads as its lifecycle only.
+Standard library and psutil, like the fixture itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+#: Overrides the template location, e.g. when this module runs from an installed package
+#: that does not ship the fixtures directory.
+TEMPLATE_ENV = "BASTION_SSHD_TEMPLATE"
+
+LOOPBACK = "127.0.0.1"
+
+# Debian's compile-time privilege separation directory. sshd refuses to start as root
+# without it, and minimal containers never ran the init script that creates it.
+PRIVSEP_DIR = Path("/run/sshd")
+PRIVSEP_USER = "sshd"
+
+_TEMPLATE_NAME = "sshd_config.template"
+# Bounds for the helper commands; none of them should take more than a fraction of this.
+TOOL_TIMEOUT = 30.0
+STOP_TIMEOUT = 5.0
+POLL_INTERVAL = 0.02
+# Characters that would break a double-quoted sshd_config argument or be expanded as an
+# sshd token (%h, %u, ...) inside AuthorizedKeysFile.
+_UNSAFE_PATH_CHARS = ('"', "%", "\n", "\r")
+
+
+class SshdError(RuntimeError):
+    """The fixture could not do what was asked; the message carries sshd's own words."""
+
+
+def gone(proc: psutil.Process) -> bool:
+    # A zombie has exited; only its reaping is pending, and orphans are reaped by init,
+    # which in some sandboxes (this one's pid 1) takes a second or two.
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def end_processes(procs: list[psutil.Process]) -> None:
+    """SIGTERM (and SIGCONT, in case a test stopped them), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
+                proc.resume()
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while procs and time.monotonic() < deadline:
+            procs = [p for p in procs if not gone(p)]
+            if procs:
+                time.sleep(POLL_INTERVAL)
+        if not procs:
+            return
+
+
+def find_template() -> Path:
+    """Locate the sshd_config template.
+
+    The env var wins so an installed copy of this module (``bastion demo``) can be pointed
+    at a checkout; then a copy next to this file (how it would be shipped as package
+    data); then ``../fixtures/sshd`` relative to this file, which holds both for
+    ``tests/`` and for ``bastion/devtools/`` in a source checkout.
+    """
+    override = os.environ.get(TEMPLATE_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{TEMPLATE_ENV}={override!r} is not a file")
+        return path
+    here = Path(__file__).resolve().parent
+    candidates = [here / _TEMPLATE_NAME, here.parents[1] / "fixtures" / "sshd" / _TEMPLATE_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(f"sshd config template not found (tried {tried}); set {TEMPLATE_ENV}")
+
+
+def sshd_available(sshd_path: str = "/usr/sbin/sshd") -> str | None:
+    """Say why a fixture sshd cannot run here, or None if it can.
+
+    Meant for ``pytest.skip(reason)``: the reason names the fix, not just the symptom.
+    """
+    if not os.path.isabs(sshd_path):
+        return f"sshd must be given by absolute path (it re-executes itself): {sshd_path!r}"
+    if not os.path.exists(sshd_path):
+        return "openssh-server is not installed: apt-get install -y openssh-server"
+    if not os.access(sshd_path, os.X_OK):
+        return f"{sshd_path} is not executable by this user"
+    if shutil.which("ssh-keygen") is None:
+        return "ssh-keygen is not installed: apt-get install -y openssh-client"
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam(PRIVSEP_USER)
+        except KeyError:
+            return (
+                f"privilege separation user {PRIVSEP_USER!r} is missing "
+                "(reinstall openssh-server, or: useradd -r -d /run/sshd -s /usr/sbin/nologin sshd)"
+            )
+        if not PRIVSEP_DIR.is_dir() and not os.access(PRIVSEP_DIR.parent, os.W_OK):
+            return f"{PRIVSEP_DIR} is missing and {PRIVSEP_DIR.parent} is not writable"
+    return None
+
+
+def current_user() -> str:
+    # The passwd entry, not $USER: containers and sudo often leave $USER unset or stale,
+    # and sshd authenticates against the passwd name.
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def free_port(address: str) -> int:
+    """A port that was free a moment ago; sshd's bind() is the real test, hence retries."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
+def answers_banner(address: str, port: int, timeout: float) -> bool:
+    """True once sshd accepts a connection *and* speaks SSH.
+
+    An open port alone is not enough: the kernel accepts into the backlog before sshd is
+    ready, and a stale listener on the same port would fool a plain connect().
+    """
+    try:
+        with socket.create_connection((address, port), timeout=timeout) as sock:
+            data = b""
+            while b"\n" not in data and len(data) < 256:
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    return data.startswith(b"SSH-2.0-")
+
+
+def check_path(path: Path) -> None:
+    text = str(path)
+    bad = [c for c in _UNSAFE_PATH_CHARS if c in text]
+    if bad:
+        raise ValueError(f"path {text!r} contains characters sshd_config cannot carry: {bad!r}")
+
+
+def write_private(path: Path, text: str) -> None:
+    # Create with 0600 from the start rather than chmod afterwards: no window in which
+    # another local user could read or swap the list of trusted keys.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
+def check_key_line(line: str) -> str:
+    line = line.strip()
+    if not line or "\n" in line or "\r" in line:
+        raise ValueError("an authorized key must be exactly one non-empty line")
+    return line
+
+
+def wait_status(pid: int, status: str, *, want: bool) -> None:
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if (psutil.Process(pid).status() == status) == want:
+                return
+        except psutil.NoSuchProcess:
+            raise SshdError(f"sshd (pid {pid}) exited") from None
+        time.sleep(POLL_INTERVAL)
+    raise SshdError(f"sshd (pid {pid}) did not {'enter' if want else 'leave'} {status}")
+
+
+def run_tool(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=TOOL_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise SshdError(f"{argv[0]} did not finish within {TOOL_TIMEOUT}s") from e
+    if check and result.returncode != 0:
+        raise SshdError(f"{' '.join(argv)} failed ({result.returncode}): {result.stderr}")
+    return result
+
+
+def tagged_processes(variable: str, tag: str) -> list[psutil.Process]:
+    """Processes started by one fixture's sessions, found by their environment tag.
+
+    Orphans are reparented to init, so ancestry cannot find them; the tag is unique
+    per fixture instance, so a concurrent fixture's sessions are never touched.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(variable) == tag:
+                found.append(proc)
+    return found

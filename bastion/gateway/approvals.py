@@ -1,0 +1,256 @@
+"""The approval book: open cards, and the grants their answers create.
+
+Grants live in memory only: a gateway restart ends them all, by construction.
+Once the world a card was asked in is gone -- the process exited, the
+connection closed, the vault locked -- the card is withdrawn and an answer to
+it is refused. An answer never sends anything by itself: it only wakes the
+waiting request, which asks the gate again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from bastion.core.cards import Card
+from bastion.core.defaults import COMMAND_TTL
+from bastion.core.gate import Answer, CardKind, CommandGrant, EndReason, SessionGrant
+from bastion.core.subject import Subject
+
+
+class CardError(Exception):
+    """An operator answer that cannot be applied (unknown, stale, or void card)."""
+
+
+@dataclass
+class _Open:
+    card: Card
+    future: asyncio.Future[Answer]
+    approver_seen: bool = False
+
+
+@dataclass
+class _Live:
+    grant: SessionGrant
+    subject: Subject
+    conversation: str | None
+
+
+def _match_key(exe: str, conversation: str | None, host: str, user: str) -> str:
+    """Which later subject counts as 'the same agent' for explaining a new
+    card: same executable, same conversation ref, same host and account.
+    It explains; it never authorises. Hashed, because it outlives the
+    gateway (see `live_match_keys`) and a conversation ref is the agent's text."""
+    joined = "\0".join((exe, conversation or "", host.lower(), user)).encode()
+    return hashlib.sha256(joined).hexdigest()
+
+
+@dataclass
+class ApprovalBook:
+    """The gateway's memory of who may do what right now.
+
+    Sessions are found by the host name the agent gave, case-folded: OpenSSH
+    lowercases it, and the policy refuses aliases that differ only by case,
+    so the gate alone resolves the alias and checks the entry's digest.
+    """
+
+    boot_id: str
+    command_ttl: float = COMMAND_TTL  # how long an approved command may wait to be sent
+    clock: Callable[[], float] = time.time
+    # A session grant began (reason None) or ended (with its reason).
+    on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
+    on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
+    _cards: dict[str, _Open] = field(default_factory=dict)
+    _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
+    _ended: dict[str, EndReason] = field(default_factory=dict)
+    _command_grants: dict[str, CommandGrant] = field(default_factory=dict)  # card id -> grant
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # -- cards -----------------------------------------------------------------
+
+    def open_card(self, card: Card) -> asyncio.Future[Answer]:
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._cards[card.id] = _Open(card, fut)
+        self._notify()
+        if self.on_card is not None:
+            self.on_card(card, None)
+        return fut
+
+    def pending(self) -> list[Card]:
+        return [o.card for o in self._cards.values() if not o.future.done()]
+
+    def note_operator(self) -> None:
+        """An operator is looking: a timeout now means nobody answered, not
+        that nobody could have."""
+        for o in self._cards.values():
+            o.approver_seen = True
+
+    def close_card(self, card_id: str, answer: Answer) -> bool:
+        """End a card's life; True if it was still open (and is now answered)."""
+        o = self._cards.pop(card_id, None)
+        if o is None or o.future.done():
+            return False
+        o.future.set_result(answer)
+        self._notify()
+        if self.on_card is not None:
+            self.on_card(o.card, answer)
+        return True
+
+    def expire(self, card_id: str) -> bool:
+        """Nobody answered in time: say whether anybody was looking."""
+        o = self._cards.get(card_id)
+        seen = bool(o and o.approver_seen)
+        return self.close_card(card_id, Answer.TIMEOUT if seen else Answer.UNSEEN)
+
+    def answer(self, card_id: str, approve: bool, vault_epoch: int, locked: bool) -> Card:
+        """Apply an operator's answer, or refuse it if the card's world is gone."""
+        o = self._cards.get(card_id)
+        if o is None or o.future.done():
+            raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
+        card = o.card
+        if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
+            self.close_card(card_id, Answer.WITHDRAWN_LOCKED)
+            raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
+        if approve:
+            if card.kind is CardKind.SESSION:
+                self._grant_session(card)
+            else:
+                self._grant_command(card)
+        self.close_card(card_id, Answer.APPROVED if approve else Answer.DECLINED)
+        return card
+
+    def withdraw(self, pred: Callable[[Card], bool], answer: Answer) -> list[Card]:
+        gone = [o.card for o in self._cards.values() if not o.future.done() and pred(o.card)]
+        for card in gone:
+            self.close_card(card.id, answer)
+        return gone
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Wake when a card opens or closes (or after `timeout`)."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- session grants ----------------------------------------------------------
+
+    def _grant_session(self, card: Card) -> SessionGrant:
+        grant = SessionGrant(
+            id="ses_" + secrets.token_hex(6),
+            subject_key=card.subject.key,
+            host=card.host,
+            user=card.user,
+            boot_id=card.boot_id,
+            vault_epoch=card.vault_epoch,
+            entry_digest=card.entry_digest,
+            approved_at=self.clock(),
+        )
+        self._sessions[(card.subject.key, card.host.lower(), card.user)] = _Live(
+            grant, card.subject, card.conversation
+        )
+        self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, card.user), None)
+        if self.on_session is not None:
+            self.on_session(grant, card.subject, None)
+        return grant
+
+    def session_for(
+        self, subject: Subject, host: str, user: str, conversation: str | None
+    ) -> tuple[SessionGrant | None, EndReason | None]:
+        """The live grant for this subject and entry, else why a matching one ended."""
+        live = self._sessions.get((subject.key, host.lower(), user))
+        if live is not None:
+            return live.grant, None
+        # The same process, now running another executable (exec): its grant ends.
+        if self.end_sessions(
+            lambda g: (
+                g.subject_key[:3] == subject.process_key
+                and (g.host.lower(), g.user) == (host.lower(), user)
+            ),
+            EndReason.PROCESS_CHANGED,
+        ):
+            return None, EndReason.PROCESS_CHANGED
+        return None, self._ended.get(_match_key(subject.exe, conversation, host, user))
+
+    def sessions(self) -> list[tuple[SessionGrant, Subject]]:
+        return [(live.grant, live.subject) for live in self._sessions.values()]
+
+    def end_sessions(self, pred: Callable[[SessionGrant], bool], reason: EndReason) -> list[str]:
+        """End every grant matching `pred`, remembering why for the next card."""
+        ended: list[str] = []
+        for key, live in list(self._sessions.items()):
+            if pred(live.grant):
+                del self._sessions[key]
+                g = live.grant
+                self._ended[_match_key(live.subject.exe, live.conversation, g.host, g.user)] = (
+                    reason
+                )
+                ended.append(g.id)
+                self._command_grants = {
+                    c: cg for c, cg in self._command_grants.items() if cg.session_id != g.id
+                }
+                if self.on_session is not None:
+                    self.on_session(g, live.subject, reason)
+        return ended
+
+    def live_match_keys(self) -> list[str]:
+        """What a later gateway lifetime needs to say `gateway_restarted`."""
+        return sorted(
+            {
+                _match_key(live.subject.exe, live.conversation, live.grant.host, live.grant.user)
+                for live in self._sessions.values()
+            }
+        )
+
+    def previous_lifetime(self, match_keys: Iterable[str]) -> None:
+        """Approvals alive when the last lifetime ended explain the next cards."""
+        for key in match_keys:
+            self._ended.setdefault(key, EndReason.GATEWAY_RESTARTED)
+
+    def subjects(self) -> Iterable[Subject]:
+        return [live.subject for live in self._sessions.values()]
+
+    # -- command grants ----------------------------------------------------------
+
+    def _grant_command(self, card: Card) -> CommandGrant:
+        assert card.session_id is not None and card.command_sha256 is not None
+        now = self.clock()
+        self._command_grants = {
+            c: g for c, g in self._command_grants.items() if g.expires_at > now and not g.used
+        }
+        grant = CommandGrant(
+            id="cmd_" + secrets.token_hex(6),
+            session_id=card.session_id,
+            address=card.address,
+            port=card.port,
+            host_key_fingerprint=card.host_key_fingerprint,
+            user=card.user,
+            credential=card.credential,
+            command_sha256=card.command_sha256,
+            expires_at=now + self.command_ttl,
+        )
+        self._command_grants[card.id] = grant
+        return grant
+
+    def command_grant(self, card_id: str | None) -> CommandGrant | None:
+        """The grant a command card produced, as it stands now (used or not)."""
+        return self._command_grants.get(card_id) if card_id else None
+
+    def consume(self, card_id: str) -> CommandGrant:
+        """Mark a command grant used -- in the final check, before the exec request
+        leaves, so the gate itself refuses it to anything that asks again."""
+        used = replace(self._command_grants[card_id], used=True)
+        self._command_grants[card_id] = used
+        return used
+
+    def discard_command_grant(self, card_id: str | None) -> None:
+        """The request that asked for it is over: used or not, it is gone."""
+        if card_id:
+            self._command_grants.pop(card_id, None)

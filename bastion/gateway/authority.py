@@ -1,0 +1,102 @@
+"""What the operator decides, and what ends approvals.
+
+An answer to a card, a revoke, a lock or an unlock, a process exiting: each
+of these changes who may do what, and each ends approvals that requests may
+be waiting on. They act on the same approval book the request path
+(`service.py`) reads, so a waiting request wakes, takes a new snapshot of the
+world and asks the gate again -- nothing decided here sends anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from bastion.core.cards import Card
+from bastion.core.events import EventType
+from bastion.core.gate import Answer, EndReason
+from bastion.core.subject import Subject
+from bastion.gateway.service import Service, VaultState
+
+log = logging.getLogger("bastion")
+
+
+class Authority:
+    def __init__(
+        self, service: Service, vault: VaultState, certify: Callable[[], None] = lambda: None
+    ) -> None:
+        self.service = service
+        self.vault = vault
+        self.certify = certify
+        self.book = service.book
+        self.recorder = service.recorder
+        self.outbound = service.outbound
+        self.alive = service.alive
+
+    def subject_exited(self, subject: Subject) -> None:
+        """End its grants and withdraw its cards: a new process is a new subject."""
+        ended = self.book.end_sessions(
+            lambda g: g.subject_key[:3] == subject.process_key, EndReason.PROCESS_CHANGED
+        )
+        gone = self.book.withdraw(
+            lambda c: c.subject.process_key == subject.process_key, Answer.WITHDRAWN_GONE
+        )
+        if ended or gone:
+            log.info(
+                "process %d exited: %d session(s) ended, %d card(s) withdrawn",
+                subject.pid,
+                len(ended),
+                len(gone),
+            )
+
+    def answer(self, card_id: str, approve: bool) -> Card:
+        """An operator's answer to one card (`bastion decide`, the approve prompt)."""
+        card = self.book.answer(card_id, approve, self.vault.epoch, self.vault.locked)
+        if not self.alive(card.subject.pid, card.subject.start_time):
+            self.subject_exited(card.subject)
+        log.info(
+            "%s: card %s %s by operator",
+            card.request_id,
+            card.id,
+            "approved" if approve else "declined",
+        )
+        return card
+
+    def revoke(self, session: str) -> bool:
+        ended = self.book.end_sessions(lambda g: g.id == session, EndReason.REVOKED)
+        if ended:
+            log.info("session %s revoked by operator", session)
+        return bool(ended)
+
+    async def unlock(self, passphrase: bytes) -> None:
+        await asyncio.to_thread(self.vault.unlock, passphrase)
+        self._vault_changed(locked=False)
+        self.certify()
+
+    async def lock(self, terminate: bool) -> list[str]:
+        """Lock at once: every approval ends, every card is withdrawn, nothing is
+        kept to run later. With `terminate`, also end every command in flight."""
+        self.certify()
+        self.vault.lock()
+        self._vault_changed(locked=True)
+        ended: list[str] = []
+        if terminate:
+            ended = list(self.service.inflight)
+            self.recorder.record(EventType.OPERATOR_TERMINATE, {"requests": ended})
+            await asyncio.gather(*(self.service.kill(rid) for rid in ended))
+        return ended
+
+    def _vault_changed(self, locked: bool) -> None:
+        ended = self.book.end_sessions(lambda g: True, EndReason.VAULT_STATE_CHANGED)
+        withdrawn = self.book.withdraw(lambda c: True, Answer.WITHDRAWN_LOCKED)
+        self.outbound.retire_all()
+        kind = EventType.VAULT_LOCKED if locked else EventType.VAULT_UNLOCKED
+        self.recorder.record(kind, {"epoch": self.vault.epoch})
+        log.info(
+            "vault %s (epoch %d): %d session(s) ended, %d card(s) withdrawn",
+            "locked" if locked else "unlocked",
+            self.vault.epoch,
+            len(ended),
+            len(withdrawn),
+        )

@@ -1,0 +1,217 @@
+"""What each operator request does: parse it, call the gateway, shape the answer.
+
+The operator socket (`opserver.py`) decides *who* may ask; this module maps
+each request to one call: the operator's state changes go to `Authority`,
+requests in flight to `Service`, key operations and audit views to `ops`
+(the same functions the offline CLI runs). Negative controls -- status,
+lock, revoke, kill, pending -- never depend on the policy or on the vault
+being unlocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from bastion import ops
+from bastion.core.events import EventType
+from bastion.core.policy import PolicyError
+from bastion.gateway.approvals import ApprovalBook, CardError
+from bastion.gateway.authority import Authority
+from bastion.gateway.opserver import Handler
+from bastion.gateway.service import Service
+from bastion.home import Home
+from bastion.journal import IDENTITY_LABEL, Journal
+from bastion.opsock import OperatorError
+from bastion.vault import Vault, VaultError
+
+WATCH_PING = 10.0  # seconds between keep-alive events to a watching prompt
+
+
+class Settings(Protocol):
+    @property
+    def policies(self) -> Path: ...
+    @property
+    def agent_socket(self) -> Path: ...
+
+
+class GatewayParts(Protocol):
+    """What control reads of the lifetime that built it (`lifetime.Gateway`)."""
+
+    boot_id: str
+    home: Home
+    vault: Vault
+    journal: Journal
+    book: ApprovalBook
+    service: Service
+    authority: Authority
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def isolation(self) -> str: ...
+
+
+class Control:
+    def __init__(self, gateway: GatewayParts) -> None:
+        self.gw = gateway
+        self.service = gateway.service
+        self.authority = gateway.authority
+        self.book = gateway.book
+
+    def handlers(self) -> dict[str, Handler]:
+        handlers: dict[str, Handler] = {
+            "status": self.status,
+            "unlock": self.unlock,
+            "lock": self.lock,
+            "pending": self.pending,
+            "answer": self.answer,
+            "sessions": self.sessions,
+            "revoke": self.revoke,
+            "kill": self.kill,
+            "audit": self.audit,
+        }
+        for name in ops.KEY_OPS:
+            handlers[name] = self._key_handler(name)
+        return handlers
+
+    # -- state -------------------------------------------------------------------------
+
+    async def status(self, _: dict[str, Any]) -> dict[str, Any]:
+        gw = self.gw
+        policy = self.service.policy.current()
+        broken = isinstance(policy, PolicyError)
+        return {
+            "locked": gw.vault.locked,
+            "vault_epoch": gw.vault.epoch,
+            "boot_id": gw.boot_id,
+            "policy": {
+                "ok": not broken,
+                "error": str(policy) if broken else None,
+                "hosts": [] if broken else sorted(policy.hosts),  # type: ignore[union-attr]
+                "directory": str(gw.settings.policies),
+            },
+            "isolation": gw.isolation(),
+            "journal": {
+                "seq": gw.journal.seq,
+                "appends": gw.journal.appends,
+                "fsyncs": gw.journal.fsyncs,
+                "append_seconds": gw.journal.append_seconds,
+            },
+            "pending": len(self.book.pending()),
+            "sessions": len(self.book.sessions()),
+            "pid": os.getpid(),
+            "agent_socket": str(gw.settings.agent_socket),
+        }
+
+    async def unlock(self, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            passphrase = base64.b64decode(str(args.get("passphrase", "")), validate=True)
+        except ValueError:
+            raise OperatorError("malformed passphrase field") from None
+        try:
+            await self.authority.unlock(passphrase)
+        except VaultError as exc:
+            raise OperatorError(str(exc)) from None
+        return {"locked": False, "vault_epoch": self.gw.vault.epoch}
+
+    async def lock(self, args: dict[str, Any]) -> dict[str, Any]:
+        ended = await self.authority.lock(bool(args.get("terminate")))
+        return {"locked": True, "vault_epoch": self.gw.vault.epoch, "terminated": ended}
+
+    # -- approvals ---------------------------------------------------------------------
+
+    async def pending(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        book = self.book
+        book.note_operator()
+        wait = min(float(args.get("wait") or 0), 600.0)
+        deadline = time.monotonic() + wait
+        while not book.pending() and (left := deadline - time.monotonic()) > 0:
+            await book.wait_changed(left)
+        book.note_operator()
+        return [c.as_json() for c in book.pending()]
+
+    async def answer(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.book.note_operator()
+        approve = bool(args.get("approve"))
+        try:
+            card = self.authority.answer(str(args.get("card", "")), approve)
+        except CardError as exc:
+            raise OperatorError(str(exc)) from None
+        return {"card": card.id, "approved": approve}
+
+    async def sessions(self, _: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": g.id,
+                "host": g.host,
+                "user": g.user,
+                "subject": s.as_json(),
+                "approved_at": g.approved_at,
+                "vault_epoch": g.vault_epoch,
+            }
+            for g, s in self.book.sessions()
+        ]
+
+    async def revoke(self, args: dict[str, Any]) -> dict[str, Any]:
+        session = str(args.get("session", ""))
+        if not self.authority.revoke(session):
+            raise OperatorError(f"no live session {session}")
+        return {"revoked": session}
+
+    async def watch(self, _: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The `bastion approve` stream: a hello, the open cards, then events."""
+        gw = self.gw
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        watchers = self.service.recorder.watchers
+        watchers.add(q)
+        self.book.note_operator()
+        try:
+            yield {
+                "event": "hello",
+                "boot_id": gw.boot_id,
+                "locked": gw.vault.locked,
+                "vault_epoch": gw.vault.epoch,
+            }
+            for card in self.book.pending():
+                yield {"event": "card", "card": card.as_json()}
+            while True:
+                try:
+                    yield await asyncio.wait_for(q.get(), WATCH_PING)
+                except TimeoutError:
+                    yield {"event": "ping"}
+        finally:
+            watchers.discard(q)
+
+    # -- requests and the journal --------------------------------------------------------
+
+    async def kill(self, args: dict[str, Any]) -> dict[str, Any]:
+        rid = str(args.get("request", ""))
+        if rid not in self.service.inflight:
+            raise OperatorError(f"{rid} is not in flight (see `bastion request {rid}`)")
+        self.service.recorder.record(EventType.OPERATOR_KILL, {"request_id": rid})
+        await self.service.kill(rid)
+        return {"killed": rid}
+
+    async def audit(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            key = self.gw.vault.private_key(IDENTITY_LABEL).pyca_key
+            return ops.audit_view(str(args.get("view")), self.gw.home.journal, key)
+        except (VaultError, ops.OpsError) as exc:
+            raise OperatorError(str(exc)) from None
+
+    # -- keys --------------------------------------------------------------------------
+
+    def _key_handler(self, name: str) -> Handler:
+        async def handler(args: dict[str, Any]) -> Any:
+            try:
+                return ops.key_op(self.gw.vault, name, args)
+            except (VaultError, ops.OpsError) as exc:
+                raise OperatorError(str(exc)) from None
+
+        return handler

@@ -1,0 +1,302 @@
+"""One gateway lifetime: boot, sockets, signals, process watches, shutdown.
+
+A `Gateway` is one lifetime. Its `boot_id` lives in memory only, so a
+restarted gateway cannot honour anything the previous one granted; the vault
+starts locked. This module builds the parts from the home directory and
+wires them: the request path (`service.py`), the operator's state changes
+(`authority.py`), the agent listener (`agent_ssh.py`) and the operator
+socket (`control.py`). It owns what touches the operating system around
+them: pidfds that say when an approved process exits, `lifetime.json` for
+the next lifetime's cards, journal certification, and the two sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+from bastion import opsock
+from bastion.core.defaults import (
+    APPROVAL_TIMEOUT,
+    COMMAND_TTL,
+    KEEPALIVE_COUNT_MAX,
+    KEEPALIVE_INTERVAL,
+)
+from bastion.core.events import EventType, recover
+from bastion.core.policy import PolicyError
+from bastion.core.subject import Peer, ProcessKey, Subject
+from bastion.gateway import opserver
+from bastion.gateway.agent_ssh import AgentListener
+from bastion.gateway.approvals import ApprovalBook
+from bastion.gateway.authority import Authority
+from bastion.gateway.control import Control
+from bastion.gateway.outbound import Dispatcher
+from bastion.gateway.recorder import Recorder
+from bastion.gateway.service import PolicyWatch, Service
+from bastion.home import Home
+from bastion.identity import Resolver, alive
+from bastion.journal import IDENTITY_LABEL, Journal, JournalError, read_identity
+from bastion.ops import identity_pin
+from bastion.policy_files import PolicyStore
+from bastion.vault import RESERVED_PREFIX, Vault, VaultError
+
+log = logging.getLogger("bastion")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Home
+    policies: Path
+    agent_socket: Path
+    agent_group: int | None = None  # gid allowed to reach the agent socket (strong mode)
+    approval_timeout: float = APPROVAL_TIMEOUT
+    command_approval_ttl: float = COMMAND_TTL
+    keepalive_interval: float = KEEPALIVE_INTERVAL
+    keepalive_count_max: int = KEEPALIVE_COUNT_MAX
+
+
+class Gateway:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.home = settings.home
+        self.boot_id = "boot_" + secrets.token_hex(12)
+        self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
+        self.resolver = Resolver()
+        self.journal = Journal(
+            self.home.journal,
+            read_identity(self.home.journal, identity_pin(self.vault)),
+            self.boot_id,
+        )
+        self.recorder = Recorder(self.journal)
+        self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
+        self.dispatcher = Dispatcher(
+            self._credential, settings.keepalive_interval, settings.keepalive_count_max
+        )
+        self.service = Service(
+            self.boot_id,
+            self.vault,
+            PolicyWatch(PolicyStore(settings.policies), self.recorder),
+            self.book,
+            self.dispatcher,
+            self.recorder,
+            alive,
+            watch=self.watch,
+            approval_timeout=settings.approval_timeout,
+            on_sessions_changed=self._save_lifetime,
+        )
+        self.authority = Authority(self.service, self.vault, self.certify)
+        self.host_key = asyncssh.read_private_key(str(self.home.host_key))
+        self.same_uid_agent_seen = False
+        self._watches: dict[ProcessKey, int] = {}
+        self._stop = asyncio.Event()
+
+    def _credential(self, label: str) -> asyncssh.SSHKey:
+        """A key for an outbound connection -- never one of bastion's own."""
+        if label.startswith(RESERVED_PREFIX):
+            raise VaultError(f"{label!r} is reserved for bastion and cannot be a credential")
+        return self.vault.private_key(label)
+
+    def certify(self) -> None:
+        """Have the journal identity vouch for everything written so far. Only
+        possible while unlocked: at unlock, before a lock, before stopping."""
+        if self.vault.locked:
+            return
+        try:
+            self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
+        except (VaultError, OSError, JournalError) as exc:
+            log.error("could not certify this lifetime's journal: %s", exc)
+
+    def isolation(self) -> str:
+        strong = self.settings.agent_group is not None and not self.same_uid_agent_seen
+        return "strong" if strong else "advisory"
+
+    # -- who connects ----------------------------------------------------------------------
+
+    def identify(self, sock: socket.socket) -> Peer:
+        """An agent connection's peer (runs in a worker thread)."""
+        peer = self.resolver.identify(sock)
+        if peer.uid == os.getuid():
+            self.same_uid_agent_seen = True
+        return peer
+
+    def register_run(self, sock: socket.socket, label: str) -> str:
+        """`bastion run`: the connecting process becomes one subject for its
+        whole tree, for as long as it lives (runs in a worker thread)."""
+        info = self.resolver.register_run(sock, label)
+        subject = Subject(
+            info.pid,
+            info.start_time,
+            info.exe,
+            info.exe_sha256,
+            info.uid,
+            self.resolver.nonce_for(info.pid, info.start_time),
+            label,
+        )
+        self._loop.call_soon_threadsafe(self.watch, subject)
+        self._loop.call_soon_threadsafe(
+            lambda: self.recorder.record(
+                EventType.RUN_REGISTERED, {}, {"subject": subject.as_json()}
+            )
+        )
+        log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
+        return f"run_{subject.nonce}"
+
+    def agent_processes(self) -> set[tuple[int, float]]:
+        """Every process the gateway knows as an agent -- approved, asking,
+        connected or registered as a run: operator requests from below any of
+        them are refused."""
+        subjects = [
+            *self.book.subjects(),
+            *(c.subject for c in self.book.pending()),
+            *(c.peer.subject for c in self.service.connections),
+        ]
+        return {(s.pid, s.start_time) for s in subjects} | set(self.resolver.runs)
+
+    # -- process lifetimes -----------------------------------------------------------------
+
+    def watch(self, subject: Subject) -> None:
+        """End grants and withdraw cards the moment a subject exits (not only
+        when it next asks): a pidfd becomes readable at exit."""
+        if subject.process_key in self._watches:
+            return
+        try:
+            fd = os.pidfd_open(subject.pid)
+        except OSError:
+            self._subject_exited(subject)
+            return
+        if not alive(subject.pid, subject.start_time):  # pid reused before we pinned it
+            os.close(fd)
+            self._subject_exited(subject)
+            return
+        self._watches[subject.process_key] = fd
+        asyncio.get_running_loop().add_reader(fd, self._subject_exited, subject)
+
+    def _subject_exited(self, subject: Subject) -> None:
+        fd = self._watches.pop(subject.process_key, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        self.authority.subject_exited(subject)
+        self.resolver.forget(subject.pid, subject.start_time)
+
+    # -- what the next lifetime may know ---------------------------------------------------
+
+    def _load_previous_lifetime(self) -> None:
+        try:
+            doc = json.loads(self.home.lifetime.read_text())
+            keys = [k for k in doc["live_match_keys"] if isinstance(k, str)]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if doc.get("boot_id") != self.boot_id:
+            self.book.previous_lifetime(keys)
+
+    def _save_lifetime(self) -> None:
+        doc = {"boot_id": self.boot_id, "live_match_keys": self.book.live_match_keys()}
+        tmp = self.home.lifetime.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.home.lifetime)
+        except OSError as exc:
+            log.warning("could not record live approvals for the next lifetime: %s", exc)
+
+    # -- the lifetime ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        home = self.home
+        home.make_dirs()
+        self._loop = asyncio.get_running_loop()
+        self._load_previous_lifetime()
+        with contextlib.suppress(opsock.OperatorError):
+            opsock.call(home.operator_socket, "status", timeout=2)
+            raise SystemExit(f"bastion: a gateway is already running for {home.root}")
+        self.service.recover(recover(self.journal.open()))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self.stop)
+        control = Control(self)
+        op_server = await opserver.serve(
+            home.operator_socket,
+            control.handlers(),
+            {"watch": control.watch},
+            os.getuid(),
+            self.agent_processes,
+        )
+        listener = AgentListener(
+            self.service,
+            self._agent_listen_socket(),
+            self.host_key,
+            self.identify,
+            self.register_run,
+        )
+        accept_task = asyncio.create_task(listener.serve())
+        policy = self.service.policy.current()
+        log.info(
+            "gateway started: boot %s, vault locked (epoch %d), policy %s, isolation %s",
+            self.boot_id,
+            self.vault.epoch,
+            "ok" if not isinstance(policy, PolicyError) else "UNAVAILABLE",
+            self.isolation(),
+        )
+        if self.isolation() == "advisory":
+            log.warning(
+                "isolation is advisory: agents that run as this user (uid %d) could read "
+                "this home; run agents as another user for strong isolation",
+                os.getuid(),
+            )
+        try:
+            await self._stop.wait()
+        finally:
+            log.info("gateway stopping")
+            accept_task.cancel()
+            await listener.close()
+            op_server.close()
+            self.dispatcher.close_all()
+            self.recorder.record(EventType.GATEWAY_STOPPED, {})
+            self.certify()
+            self.vault.lock()
+            self.journal.close()
+            for path in (home.operator_socket, self.settings.agent_socket):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            log.info("gateway stopped")
+
+    def _agent_listen_socket(self) -> socket.socket:
+        path = self.settings.agent_socket
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        if self.settings.agent_group is not None:
+            os.chown(path, -1, self.settings.agent_group)
+            os.chmod(path, 0o660)
+        else:
+            os.chmod(path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock
+
+
+def run_daemon(settings: Settings) -> None:
+    logging.basicConfig(level=logging.INFO, format="bastion[%(process)d]: %(message)s")
+    # asyncssh logs every exec'd command at INFO; commands may carry secrets.
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    asyncio.run(Gateway(settings).run())

@@ -1,0 +1,345 @@
+"""Outbound connections to real hosts, the byte relay, and honest outcomes.
+
+Only this module talks to targets. It trusts exactly one host key per host
+(the pinned one from the policy), offers exactly one client key (from the
+vault, in memory), reads no ssh config, uses no agent and forwards nothing.
+
+Outcomes are classified by what is *known*: before the exec request leaves,
+a failure means nothing ran (`not_started`, and the agent may retry when the
+cause says so); after it, only an exit status or an exit signal from the
+target is an answer -- any other ending is `unknown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import asyncssh
+
+from bastion.core.contract import Code
+from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
+from bastion.core.events import CAUSE_LOST, Outcome, Result
+from bastion.core.policy import Account, Host
+from bastion.vault import VaultError, VaultLocked
+
+log = logging.getLogger("bastion.outbound")
+
+CHUNK = 64 * 1024
+
+
+class NotStarted(Exception):
+    """The target was not reached; nothing ran."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _IntentProcess(asyncssh.SSHClientProcess):  # type: ignore[type-arg]
+    """Runs the intent at the last moment before the exec request is sent.
+
+    asyncssh calls `connection_made` after the session channel is confirmed
+    and then sends the exec request without yielding to the event loop, so
+    nothing (a lock, a revoke) can happen between the final decision and the
+    request leaving. If the intent refuses, the channel is closed unused.
+    """
+
+    def __init__(self, intent: Callable[[], None]) -> None:
+        super().__init__()
+        self._intent = intent
+
+    def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[type-arg]
+        super().connection_made(chan)
+        try:
+            self._intent()
+        except BaseException:
+            chan.close()
+            raise
+
+
+class _Tracked(asyncssh.SSHClient):
+    """Knows when its connection is gone, so the pool never hands out a dead one."""
+
+    def __init__(self) -> None:
+        self.lost = False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The agent side of one exec: where bytes come from and go to."""
+
+    stdin: asyncssh.SSHReader[bytes]
+    stdout: asyncssh.SSHWriter[bytes]
+    stderr: asyncssh.SSHWriter[bytes]
+
+
+PoolKey = tuple[str, int, str, str, str, int]
+
+
+class Dispatcher:
+    """Opens (and reuses) outbound connections; runs one command per call."""
+
+    def __init__(
+        self,
+        private_key: Callable[[str], asyncssh.SSHKey],
+        keepalive_interval: float = KEEPALIVE_INTERVAL,
+        keepalive_count_max: int = KEEPALIVE_COUNT_MAX,
+    ) -> None:
+        self._private_key = private_key
+        self.keepalive_interval = keepalive_interval
+        self.keepalive_count_max = keepalive_count_max
+        self._pool: dict[PoolKey, tuple[asyncssh.SSHClientConnection, _Tracked]] = {}
+        self._locks: dict[PoolKey, asyncio.Lock] = {}
+        self._active: dict[asyncssh.SSHClientConnection, int] = {}
+        self._retired: set[asyncssh.SSHClientConnection] = set()
+
+    async def _connect(self, host: Host, account: Account) -> asyncssh.SSHClientConnection:
+        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+        try:
+            key = self._private_key(account.credential)
+        except VaultLocked as exc:
+            raise NotStarted(
+                Code.VAULT_LOCKED,
+                "The credential vault was locked before the "
+                "command could be sent. It was not queued or sent.",
+            ) from exc
+        except VaultError as exc:
+            raise NotStarted(
+                Code.INTERNAL,
+                f'The policy names credential "{account.credential}" for {account.user}@'
+                f"{host.alias}, but the vault cannot provide it ({exc}). Nothing was sent; an "
+                "operator must add the key (`bastion key import`) or fix the policy.",
+            ) from exc
+        client = _Tracked()
+        try:
+            conn = await asyncio.wait_for(
+                asyncssh.connect(
+                    host.address,
+                    host.port,
+                    username=account.user,
+                    client_factory=lambda: client,
+                    known_hosts=([pinned], [], []),
+                    client_keys=[key],
+                    agent_path=None,
+                    agent_forwarding=False,
+                    x11_forwarding=False,
+                    password=None,
+                    kbdint_auth=False,
+                    gss_auth=False,
+                    host_based_auth=False,
+                    preferred_auth="publickey",
+                    config=None,
+                    keepalive_interval=self.keepalive_interval,
+                    keepalive_count_max=self.keepalive_count_max,
+                    connect_timeout=host.connect_timeout,
+                ),
+                host.connect_timeout + 1,
+            )
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise NotStarted(
+                Code.HOST_KEY_MISMATCH,
+                f'The host key of "{host.alias}" ({host.address}:{host.port}) does not match '
+                "the key pinned in the policy. Do not retry: an operator must check the host "
+                "and update the pin if the change is legitimate.",
+            ) from exc
+        except asyncssh.PermissionDenied as exc:
+            raise NotStarted(
+                Code.TARGET_AUTH_FAILED,
+                f'"{host.alias}" refused the credential "{account.credential}" for user '
+                f'"{account.user}". An operator must install its public key on the target.',
+            ) from exc
+        except (OSError, TimeoutError, asyncssh.Error) as exc:
+            reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
+            raise NotStarted(
+                Code.UNREACHABLE,
+                f'Could not reach "{host.alias}" at {host.address}:{host.port} ({reason}). '
+                "Nothing ran; it is safe to retry later.",
+            ) from exc
+        return conn
+
+    async def connection(
+        self, host: Host, account: Account, vault_epoch: int
+    ) -> asyncssh.SSHClientConnection:
+        """A live connection for this exact (target, account, key, pin, epoch)."""
+        key: PoolKey = (
+            host.address,
+            host.port,
+            account.user,
+            account.credential,
+            host.host_key,
+            vault_epoch,
+        )
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            cached = self._pool.get(key)
+            if cached is not None and not cached[1].lost:
+                return cached[0]
+            conn = await self._connect(host, account)
+            self._pool[key] = (conn, conn.get_owner())  # type: ignore[assignment]
+            return conn
+
+    def close_all(self) -> None:
+        """Drop every outbound connection (gateway stopping)."""
+        for conn, _ in self._pool.values():
+            conn.close()
+        self._pool.clear()
+
+    def retire_all(self) -> None:
+        """The vault changed state: no pooled connection is reused. Idle ones
+        close now; busy ones finish the command they were decided for."""
+        for conn, _ in self._pool.values():
+            if self._active.get(conn, 0):
+                self._retired.add(conn)
+            else:
+                conn.close()
+        self._pool.clear()
+
+    def _release(self, conn: asyncssh.SSHClientConnection) -> None:
+        left = self._active.get(conn, 1) - 1
+        if left > 0:
+            self._active[conn] = left
+            return
+        self._active.pop(conn, None)
+        if conn in self._retired:
+            self._retired.discard(conn)
+            conn.close()
+
+    async def run(
+        self,
+        host: Host,
+        account: Account,
+        vault_epoch: int,
+        command: bytes,
+        agent: Streams,
+        intent: Callable[[], None],
+        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
+        abandon: asyncio.Event | None = None,
+    ) -> Result:
+        """Connect, exec, relay, classify. `intent` runs once the session
+        channel is open and immediately before the exec request is sent, with
+        no await in between: it re-decides and journals, and refuses by raising."""
+        try:
+            conn = await self.connection(host, account, vault_epoch)
+        except NotStarted as exc:
+            return Result(
+                Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
+            )
+        self._active[conn] = self._active.get(conn, 0) + 1
+        try:
+            return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
+        finally:
+            self._release(conn)
+
+    async def _exec(
+        self,
+        host: Host,
+        conn: asyncssh.SSHClientConnection,
+        command: bytes,
+        agent: Streams,
+        intent: Callable[[], None],
+        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
+        abandon: asyncio.Event | None,
+    ) -> Result:
+        try:
+            _, proc = await conn.create_session(
+                lambda: _IntentProcess(intent),
+                command,
+                encoding=None,  # type: ignore[arg-type]
+            )
+            await proc.redirect(asyncssh.PIPE, asyncssh.PIPE, asyncssh.PIPE)
+        except asyncssh.ChannelOpenError as exc:
+            if exc.code == asyncssh.OPEN_REQUEST_SESSION_FAILED:
+                return Result(
+                    Outcome.REMOTE_REJECTED,
+                    code=Code.UNREACHABLE,
+                    message=f'"{host.alias}" refused to start the command; it did not run.',
+                    cause="exec_refused",
+                )
+            return Result(
+                Outcome.NOT_STARTED,
+                code=Code.UNREACHABLE,
+                message=f'"{host.alias}" refused a new session ({exc.reason}); nothing ran. '
+                "It is safe to retry later.",
+                cause="session_refused",
+            )
+        except (OSError, asyncssh.Error) as exc:
+            return _unknown(host, f"the connection failed while the command was sent: {exc}")
+        on_exec(proc)
+        relay = asyncio.ensure_future(_relay(host, proc, agent))
+        if abandon is None:
+            return await relay
+        stop = asyncio.ensure_future(abandon.wait())
+        try:
+            await asyncio.wait({relay, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if relay.done():
+            return relay.result()
+        # The operator ended it and the target did not report an ending in
+        # time (a remote child may still hold the channel open): stop
+        # waiting, close our side, and say what is known -- nothing.
+        relay.cancel()
+        proc.close()
+        return _unknown(host, "the operator ended it before the target reported an exit status")
+
+
+async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Streams) -> Result:
+    agent_gone = asyncio.Event()
+
+    async def to_agent(
+        reader: asyncssh.SSHReader[bytes], writer: asyncssh.SSHWriter[bytes]
+    ) -> None:
+        # Drain the target even when the agent has left: the real outcome
+        # still has to be observed and recorded.
+        while data := await reader.read(CHUNK):
+            if agent_gone.is_set():
+                continue
+            try:
+                writer.write(data)
+                await writer.drain()
+            except (OSError, asyncssh.Error):
+                agent_gone.set()
+
+    async def to_target() -> None:
+        try:
+            while data := await agent.stdin.read(CHUNK):
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+        except (OSError, asyncssh.Error):
+            agent_gone.set()
+        with contextlib.suppress(OSError, asyncssh.Error):
+            proc.stdin.write_eof()
+
+    feeder = asyncio.create_task(to_target())
+    try:
+        await asyncio.gather(
+            to_agent(proc.stdout, agent.stdout), to_agent(proc.stderr, agent.stderr)
+        )
+        await proc.wait_closed()
+    except (OSError, asyncssh.Error) as exc:
+        return _unknown(host, f"the connection to the target was lost ({exc})")
+    finally:
+        feeder.cancel()
+    if proc.exit_signal is not None:
+        return Result(Outcome.SIGNALLED, signal=proc.exit_signal)
+    if proc.exit_status is not None:  # None: the channel closed without one
+        return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
+    return _unknown(host, "the connection to the target ended before it reported an exit status")
+
+
+def _unknown(host: Host, why: str) -> Result:
+    return Result(
+        Outcome.UNKNOWN,
+        cause=CAUSE_LOST,
+        code=Code.STATUS_UNKNOWN,
+        message=f'The command was sent to "{host.alias}" but {why}. It may or may not have run: '
+        "inspect the target before retrying.",
+    )

@@ -1,0 +1,133 @@
+"""What the gateway writes down and who hears of it: the journal and the watchers.
+
+Every event goes through `record`, named by an `EventType`; the wording of
+each event's plaintext metadata and encrypted body is here, once. Only the
+intent before a dispatch (`intent`) may fail loudly: if it is not on disk,
+nothing is sent. Operators watching `bastion approve` get the same facts as a
+stream (`publish`), never anything they could run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Protocol
+
+from bastion.core.cards import Card
+from bastion.core.contract import Failure
+from bastion.core.events import EventType, Result
+from bastion.core.gate import Answer, EndReason, Request, SessionGrant
+from bastion.core.subject import Peer, Subject
+from bastion.journal import JournalError
+
+log = logging.getLogger("bastion")
+
+
+class JournalWriter(Protocol):
+    """The part of `journal.Journal` the gateway writes through."""
+
+    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> object: ...
+
+
+class Recorder:
+    def __init__(self, journal: JournalWriter) -> None:
+        self.journal = journal
+        self.watchers: set[asyncio.Queue[dict[str, Any]]] = set()
+
+    def record(
+        self, kind: EventType, meta: dict[str, Any], event: dict[str, Any] | None = None
+    ) -> None:
+        """Journal an event, on disk when this returns. A failure is logged
+        loudly; only the intent before a dispatch (see `intent`) is fatal."""
+        try:
+            self.journal.append(kind, meta, event or {})
+        except (OSError, JournalError) as exc:
+            log.error("could not journal %s: %s", kind.value, exc)
+
+    def intent(self, request_id: str, session_id: str) -> None:
+        """The durable intent: raises if it could not be written."""
+        self.journal.append(
+            EventType.DISPATCH_STARTED,
+            {"request_id": request_id, "session_id": session_id},
+            {},
+        )
+
+    # -- what operators watching see -------------------------------------------------
+
+    def publish(self, event: dict[str, Any]) -> None:
+        for q in self.watchers:
+            q.put_nowait(event)
+
+    def notice(self, text: str, request_id: str | None = None) -> None:
+        """A fact for the operator; nothing to decide, nothing it could run."""
+        self.publish({"event": "notice", "text": text, "request_id": request_id})
+
+    # -- one request ---------------------------------------------------------------------
+
+    def received(self, peer: Peer, req: Request, conversation: str | None) -> None:
+        self.record(
+            EventType.REQUEST_RECEIVED,
+            {"request_id": req.request_id, "action": req.action},
+            {
+                "host": req.host,
+                "user": req.user,
+                "command": req.command.decode("utf-8", "backslashreplace"),
+                "command_sha256": req.command_sha256,
+                "subject": peer.subject.as_json(),
+                "conversation": conversation,
+                "chain": [p.pid for p in peer.chain],
+            },
+        )
+
+    def denied(self, subject: Subject, req: Request, failure: Failure) -> None:
+        log.info("%s: denied %s", req.request_id, failure.code.value)
+        self.record(
+            EventType.DENIED,
+            {"request_id": req.request_id, "code": failure.code.value},
+            {"message": failure.message},
+        )
+        self.notice(
+            f"denied {failure.code.value}: pid {subject.pid} "
+            f"({os.path.basename(subject.exe)}) asked for {req.user}@{req.host}; "
+            "nothing was sent",
+            req.request_id,
+        )
+
+    def outcome(self, request_id: str, result: Result) -> None:
+        self.record(
+            EventType.of(result.outcome), result.meta(request_id), {"message": result.message}
+        )
+        log.info(
+            "%s: %s%s",
+            request_id,
+            result.outcome.value,
+            f" (exit {result.exit_status})" if result.exit_status is not None else "",
+        )
+
+    # -- approvals -----------------------------------------------------------------------
+
+    def card(self, card: Card, answer: Answer | None) -> None:
+        meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
+        if answer is None:
+            self.record(EventType.CARD_RAISED, meta, {"card": card.as_json()})
+            self.publish({"event": "card", "card": card.as_json()})
+        else:
+            self.record(EventType.CARD_CLOSED, {**meta, "answer": answer.value})
+            self.publish({"event": "closed", "card": card.id, "answer": answer.value})
+
+    def session(self, grant: SessionGrant, subject: Subject, reason: EndReason | None) -> None:
+        if reason is None:
+            self.record(
+                EventType.SESSION_APPROVED,
+                {"session_id": grant.id},
+                {
+                    "host": grant.host,
+                    "user": grant.user,
+                    "subject": subject.as_json(),
+                    "vault_epoch": grant.vault_epoch,
+                    "entry_digest": grant.entry_digest,
+                },
+            )
+        else:
+            self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})

@@ -1,0 +1,430 @@
+"""The request path: from an agent's exec request to one honest outcome.
+
+Every request runs the same loop: take a snapshot of the world, ask the gate,
+and if the gate wants a person, raise a card and wait -- then take a new
+snapshot and ask again (`authorize`). Right before the exec request leaves,
+the gate is asked once more (`final_check`, inside `intent`), because
+connecting to the target is itself a wait; in the same breath, with no await,
+a command grant is spent and the intent is made durable. The operator's state
+changes (answer, revoke, lock, unlock, a process exiting) are here too,
+because each of them ends approvals that requests are waiting on.
+
+`Service` is built from its parts, so tests can hand it fakes: a vault, a
+policy source, the approval book, an outbound dispatcher, a recorder, and the
+few functions that touch the operating system (liveness, watching a
+process, timers, the clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bastion.core.cards import Card, make_card
+from bastion.core.contract import Code, Failure
+from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_ROUNDS
+from bastion.core.events import (
+    CAUSE_KILLED,
+    ActionKeys,
+    EventType,
+    Outcome,
+    Recovery,
+    Result,
+    recovered_meta,
+)
+from bastion.core.gate import (
+    Answer,
+    AskSession,
+    CardKind,
+    Deny,
+    Dispatch,
+    EndReason,
+    Request,
+    SessionGrant,
+    World,
+    evaluate,
+    final_check,
+    rounds_exhausted,
+    unanswered,
+)
+from bastion.core.policy import Account, Host, Policy, PolicyError
+from bastion.core.subject import Peer, Subject
+from bastion.gateway.approvals import ApprovalBook
+from bastion.gateway.recorder import Recorder
+from bastion.journal import JournalError
+
+log = logging.getLogger("bastion")
+
+KILL_GRACE = 2.0  # seconds a killed command has to report its end before it is abandoned
+
+
+class VaultState(Protocol):
+    @property
+    def locked(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...
+    def lock(self) -> int: ...
+    def unlock(self, passphrase: bytes) -> int: ...
+
+
+class PolicySource(Protocol):
+    def current(self) -> Policy | PolicyError: ...
+
+
+class Outbound(Protocol):
+    """What the request path needs of `outbound.Dispatcher`."""
+
+    async def run(
+        self,
+        host: Host,
+        account: Account,
+        vault_epoch: int,
+        command: bytes,
+        agent: Any,
+        intent: Callable[[], None],
+        on_exec: Callable[[Any], None],
+        abandon: asyncio.Event | None = None,
+    ) -> Result: ...
+
+    def retire_all(self) -> None: ...
+
+
+class PolicyWatch:
+    """The policy source, journaling each change of what it says (a new
+    digest, or a new reason it is unavailable) once."""
+
+    def __init__(self, source: PolicySource, recorder: Recorder) -> None:
+        self.source = source
+        self.recorder = recorder
+        self._last: str | None = None
+
+    def current(self) -> Policy | PolicyError:
+        current = self.source.current()
+        seen = str(current) if isinstance(current, PolicyError) else current.digest
+        if seen != self._last:
+            self._last = seen
+            if isinstance(current, PolicyError):
+                log.error("policy unavailable: %s", current)
+                self.recorder.record(EventType.POLICY_FAILED, {}, {"error": str(current)})
+            else:
+                self.recorder.record(EventType.POLICY_LOADED, {"digest": current.digest})
+                log.info(
+                    "policy loaded: %d host(s), digest %s", len(current.hosts), current.digest[:16]
+                )
+        return current
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+@dataclass(eq=False)
+class AgentConn:
+    """One agent ssh connection: who connected, what target it named."""
+
+    peer: Peer
+    host: str
+    user: str
+    cards: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A command that was sent and has no outcome yet."""
+
+    request_id: str
+    process: Any = None  # the asyncssh client process, once the exec request left
+    killed: bool = False
+    abandon: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The gate said dispatch; `command_card` is the card whose grant it used."""
+
+    dispatch: Dispatch
+    command_card: str | None
+
+
+class NotDispatched(Exception):
+    """The world changed (or the intent could not be journaled) before the
+    exec request left: nothing was sent."""
+
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(8)
+
+
+class Service:
+    def __init__(
+        self,
+        boot_id: str,
+        vault: VaultState,
+        policy: PolicyWatch,
+        book: ApprovalBook,
+        outbound: Outbound,
+        recorder: Recorder,
+        alive: Callable[[int, float], bool],
+        *,
+        watch: Callable[[Subject], None] = lambda s: None,
+        schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
+        clock: Callable[[], float] = time.time,
+        approval_timeout: float = APPROVAL_TIMEOUT,
+        on_sessions_changed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.boot_id = boot_id
+        self.vault = vault
+        self.policy = policy
+        self.book = book
+        self.outbound = outbound
+        self.recorder = recorder
+        self.alive = alive
+        self.watch = watch
+        self.schedule = schedule
+        self.clock = clock
+        self.approval_timeout = approval_timeout
+        self.on_sessions_changed = on_sessions_changed
+        self.actions = ActionKeys()
+        self.connections: set[AgentConn] = set()
+        self.inflight: dict[str, InFlight] = {}
+        book.on_card = self._card_event
+        book.on_session = self._session_event
+
+    # -- a lifetime begins ---------------------------------------------------------------
+
+    def recover(self, found: Recovery) -> None:
+        """Close every request the last lifetime left open; inherit its blocked actions."""
+        for rid in found.not_started:
+            self.recorder.record(EventType.NOT_STARTED, recovered_meta(rid, Outcome.NOT_STARTED))
+        for rid in found.unknown:
+            self.recorder.record(EventType.UNKNOWN, recovered_meta(rid, Outcome.UNKNOWN))
+            log.warning("%s: was in flight when the last gateway ended: outcome unknown", rid)
+        self.actions.blocked.update(found.actions)
+
+    # -- the world, as the gate sees it --------------------------------------------------
+
+    def world(
+        self, req: Request, subject: Subject, conversation: str | None, command_card: str | None
+    ) -> World:
+        grant, ended = self.book.session_for(subject, req.host, req.user, conversation)
+        return World(
+            locked=self.vault.locked,
+            vault_epoch=self.vault.epoch,
+            boot_id=self.boot_id,
+            policy=self.policy.current(),
+            subject_alive=self.alive(subject.pid, subject.start_time),
+            session=grant,
+            ended=ended,
+            command_grant=self.book.command_grant(command_card),
+            now=self.clock(),
+            action_unknown=self.actions.blocking(req.action),
+        )
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def handle(
+        self,
+        conn: AgentConn,
+        req: Request,
+        conversation: str | None,
+        streams: Any,
+        *,
+        ack_unknown: bool = False,
+        refusal: str | None = None,
+    ) -> Result | Failure:
+        """The whole life of one exec request; every ending is journaled."""
+        self.recorder.received(conn.peer, req, conversation)
+        if refusal is not None:
+            return self._denied(
+                conn, req, Failure(Code.UNSUPPORTED_REQUEST, refusal, req.request_id)
+            )
+        if ack_unknown and req.action is not None and self.actions.acknowledge(req.action):
+            self.recorder.record(
+                EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
+            )
+        decided = await self.authorize(conn, req, conversation)
+        if isinstance(decided, Failure):
+            return self._denied(conn, req, decided)
+        try:
+            return await self.dispatch(conn, req, conversation, decided, streams)
+        except NotDispatched as refused:
+            return self._denied(conn, req, refused.failure)
+        finally:
+            self.book.discard_command_grant(decided.command_card)
+
+    def _denied(self, conn: AgentConn, req: Request, failure: Failure) -> Failure:
+        self.recorder.denied(conn.peer.subject, req, failure)
+        return failure
+
+    async def authorize(
+        self, conn: AgentConn, req: Request, conversation: str | None
+    ) -> Decided | Failure:
+        command_card: str | None = None
+        reason: EndReason | None = None
+        for _ in range(MAX_ROUNDS):
+            world = self.world(req, conn.peer.subject, conversation, command_card)
+            verdict = evaluate(req, world)
+            if isinstance(verdict, Dispatch):
+                return Decided(verdict, command_card)
+            if isinstance(verdict, Deny):
+                return verdict.failure(req.request_id, reason)
+            if isinstance(verdict, AskSession):
+                reason = verdict.reason
+                if (stale := world.session) is not None:  # recorded but stale: end it, say why
+                    self.book.end_sessions(
+                        lambda g: g.id == stale.id, verdict.reason or EndReason.POLICY_CHANGED
+                    )
+            now = self.clock()
+            card = make_card(
+                ("cc_" if not isinstance(verdict, AskSession) else "sc_") + secrets.token_hex(6),
+                req,
+                verdict,
+                conn.peer,
+                conversation,
+                self.boot_id,
+                world.vault_epoch,
+                now,
+                self.approval_timeout,
+            )
+            answer = await self._ask(conn, card)
+            if answer is not Answer.APPROVED:
+                target = f"{card.user}@{card.host}"
+                return unanswered(
+                    card.kind, answer, target, req.request_id, reason, self.approval_timeout
+                )
+            if card.kind is CardKind.COMMAND:
+                command_card = card.id
+        return rounds_exhausted(req.request_id)
+
+    async def _ask(self, conn: AgentConn, card: Card) -> Answer:
+        """Raise a card and wait for its answer, its withdrawal, or the timeout."""
+        fut = self.book.open_card(card)
+        conn.cards.add(card.id)
+        self.watch(card.subject)
+        log.info(
+            "%s: %s card %s raised for %s@%s (pid %d)%s",
+            card.request_id,
+            card.kind.value,
+            card.id,
+            card.user,
+            card.host,
+            card.subject.pid,
+            f", reason {card.reason.value}" if card.reason else "",
+        )
+        schedule = self.schedule or asyncio.get_running_loop().call_later
+        timer = schedule(self.approval_timeout, lambda: self.book.expire(card.id))
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            timer.cancel()
+            conn.cards.discard(card.id)
+            self.book.close_card(card.id, Answer.WITHDRAWN_GONE)  # no-op if answered
+
+    async def dispatch(
+        self,
+        conn: AgentConn,
+        req: Request,
+        conversation: str | None,
+        decided: Decided,
+        streams: Any,
+    ) -> Result:
+        """Send a decided command: re-ask the gate, spend the grant, journal the
+        intent durably, exec, relay, and record the outcome as it is known."""
+        flight = InFlight(req.request_id)
+        chosen = decided.dispatch
+
+        def intent() -> None:  # runs with no await before the exec request leaves
+            world = self.world(req, conn.peer.subject, conversation, decided.command_card)
+            failure = final_check(req, world, chosen)
+            if failure is not None:
+                raise NotDispatched(failure)
+            if decided.command_card is not None:
+                self.book.consume(decided.command_card)  # single use, before it is sent
+            try:  # the intent is on disk before the exec request leaves, or nothing leaves
+                self.recorder.intent(req.request_id, chosen.session.id)
+            except (OSError, JournalError) as exc:
+                log.error("%s: could not journal the intent: %s", req.request_id, exc)
+                raise NotDispatched(
+                    Failure(
+                        Code.INTERNAL,
+                        "The gateway could not record its intent durably, so it did "
+                        "not send the command. Nothing was sent.",
+                        req.request_id,
+                    )
+                ) from None
+            self.inflight[req.request_id] = flight
+
+        def started(process: Any) -> None:
+            flight.process = process
+
+        try:
+            result = await self.outbound.run(
+                chosen.host,
+                chosen.account,
+                self.vault.epoch,
+                req.command,
+                streams,
+                intent,
+                started,
+                flight.abandon,
+            )
+        finally:
+            self.inflight.pop(req.request_id, None)
+        if result.outcome is Outcome.UNKNOWN and flight.killed:
+            result = Result(
+                Outcome.UNKNOWN,
+                code=result.code,
+                message="The operator ended this "
+                "command before it reported an exit status; it may or may not have "
+                "finished. Inspect the target before retrying.",
+                cause=CAUSE_KILLED,
+            )
+        self.recorder.outcome(req.request_id, result)
+        if req.action is not None:
+            self.actions.outcome(req.action, req.request_id, result.outcome)
+        return result
+
+    async def kill(self, request_id: str, grace: float = KILL_GRACE) -> None:
+        """Signal the remote command, then stop waiting for it if it does not end."""
+        flight = self.inflight.get(request_id)
+        if flight is None or flight.process is None:
+            return
+        flight.killed = True
+        with contextlib.suppress(Exception):  # a channel already gone cannot be signalled
+            flight.process.send_signal("TERM")
+        try:
+            await asyncio.wait_for(asyncio.shield(flight.process.wait_closed()), grace)
+        except TimeoutError:
+            flight.abandon.set()
+
+    # -- connections and processes -------------------------------------------------------
+
+    def connection_opened(self, conn: AgentConn) -> None:
+        self.connections.add(conn)
+
+    def connection_closed(self, conn: AgentConn) -> None:
+        self.connections.discard(conn)
+        for card_id in list(conn.cards):
+            self.book.close_card(card_id, Answer.WITHDRAWN_GONE)
+
+    # -- what the book reports -------------------------------------------------------------
+
+    def _card_event(self, card: Card, answer: Answer | None) -> None:
+        if answer is None and self.recorder.watchers:
+            self.book.note_operator()  # somebody is looking at it right now
+        self.recorder.card(card, answer)
+
+    def _session_event(
+        self, grant: SessionGrant, subject: Subject, reason: EndReason | None
+    ) -> None:
+        self.on_sessions_changed()
+        self.recorder.session(grant, subject, reason)

@@ -1,0 +1,315 @@
+"""The integration harness: a real gateway, real ssh clients, driven as an operator would.
+
+The pytest process plays the operator. Agents are `tests/agent_helper.py`
+processes that run the stock OpenSSH client with the config `bastion
+ssh-config` prints. Every wait is bounded, and waits on events (a card
+appearing, a socket answering) rather than on the clock. The fixtures that
+build these are in `conftest.py`; `bench/` uses this module too.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import itertools
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+
+from bastion import opsock
+from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.home import Home
+
+PASSPHRASE = "correct horse battery staple"
+HELPER = Path(__file__).with_name("agent_helper.py")
+USER = getpass.getuser()
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int | None
+    stdout: bytes
+    stdout_len: int
+    stdout_sha256: str
+    stderr: str
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The gateway's §4 JSON error: the last stderr line that is one (only
+        when the gateway is unreachable does ssh print lines of its own after it)."""
+        for line in reversed(self.stderr.strip().splitlines()):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and "error" in doc:
+                return doc["error"]
+        return None
+
+    @property
+    def code(self) -> str | None:
+        return self.error["code"] if self.error else None
+
+
+class Agent:
+    """A separate, long-lived process that runs ssh commands on request."""
+
+    def __init__(
+        self, config: Path, env: dict[str, str] | None = None, python: str = sys.executable
+    ) -> None:
+        self.config = config
+        self.proc = subprocess.Popen(
+            [python, str(HELPER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self._ids = itertools.count(1)
+        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._ready()
+
+    def _ready(self) -> None:
+        self._replies.setdefault(0, queue.Queue()).get(timeout=30)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            self._replies.setdefault(reply["id"], queue.Queue()).put(reply)
+
+    def start(
+        self,
+        command: str | list[str],
+        host: str = "web1",
+        ssh_args: tuple[str, ...] = (),
+        stdin_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+    ) -> int:
+        cmd = [command] if isinstance(command, str) else list(command)
+        if argv is None:
+            argv = ["ssh", "-F", str(self.config), *ssh_args, host, *cmd]
+        rid = next(self._ids)
+        self._replies.setdefault(rid, queue.Queue())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "id": rid,
+                    "argv": argv,
+                    "env": env,
+                    "stdin_path": str(stdin_path) if stdin_path else None,
+                }
+            )
+            + "\n"
+        )
+        self.proc.stdin.flush()
+        return rid
+
+    def wait(self, rid: int, timeout: float = 90) -> Result:
+        reply = self._replies[rid].get(timeout=timeout)
+        return Result(
+            reply["rc"],
+            base64.b64decode(reply["stdout"]),
+            reply["stdout_len"],
+            reply["stdout_sha256"],
+            reply["stderr"],
+        )
+
+    def exec(self, argv: list[str]) -> None:
+        """Replace this agent's program in place (same pid and start time)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"exec": argv}) + "\n")
+        self.proc.stdin.flush()
+        self._ready()
+
+    def run(self, command: str | list[str], **kw: Any) -> Result:
+        return self.wait(self.start(command, **kw))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def policy_toml(
+    sshd: SshdInfo,
+    host_key: str | None = None,
+    port: int | None = None,
+    alias: str = "web1",
+    **account: Any,
+) -> str:
+    """A one-host policy (`alias` -> the test sshd) with one account."""
+    acct = {"user": USER, "credential": "deploy-key", "approval": "session", **account}
+    lines = [
+        f"[hosts.{alias}]",
+        f'address = "{sshd.address}"',
+        f"port = {port or sshd.port}",
+        f'host_key = "{host_key or sshd.host_key}"',
+        "connect_timeout = 5",
+        "",
+        f"[[hosts.{alias}.accounts]]",
+    ]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in acct.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Bastion:
+    """One bastion home and its gateway, driven as an operator would."""
+
+    root: Path
+    sshd: SshdInfo
+    home: Home = field(init=False)
+    daemon: subprocess.Popen[bytes] | None = None
+    agents: list[Agent] = field(default_factory=list)
+    daemon_args: tuple[str, ...] = ("--approval-timeout", "20")
+
+    def __post_init__(self) -> None:
+        self.home = Home(self.root / "home")
+        self.log = self.root / "gateway.log"
+        self.config = self.root / "agent_ssh_config"
+
+    def cli(
+        self, *args: str, stdin: str | bytes | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        r = subprocess.run(
+            [sys.executable, "-m", "bastion.cli", "--home", str(self.home.root), *args],
+            input=data,
+            capture_output=True,
+            timeout=timeout,
+        )
+        out = subprocess.CompletedProcess(
+            r.args, r.returncode, r.stdout.decode(), r.stderr.decode()
+        )
+        if check and r.returncode != 0:
+            raise AssertionError(f"bastion {' '.join(args)} -> {r.returncode}: {out.stderr}")
+        return out
+
+    def op(self, name: str, **args: Any) -> Any:
+        return opsock.call(self.home.operator_socket, name, timeout=60, **args)
+
+    def write_policy(self, text: str, name: str = "test.toml") -> Path:
+        path = self.home.policies / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        return path
+
+    def start_daemon(self, *extra: str) -> None:
+        with open(self.log, "ab") as out:
+            self.daemon = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bastion.cli",
+                    "--home",
+                    str(self.home.root),
+                    "daemon",
+                    *self.daemon_args,
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.op("status")
+                return
+            except opsock.OperatorError:
+                assert self.daemon.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, "gateway did not start"
+                time.sleep(0.02)
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.terminate()
+            self.daemon.wait(20)
+        self.daemon = None
+
+    def unlock(self) -> None:
+        self.cli("unlock", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
+
+    def agent(self, **env: str) -> Agent:
+        a = Agent(self.config, env or None)
+        self.agents.append(a)
+        return a
+
+    def next_card(self, timeout: float = 20) -> dict[str, Any]:
+        cards = self.op("pending", wait=timeout)
+        assert cards, "no card arrived"
+        return cards[0]
+
+    def answer(self, card: dict[str, Any] | str, approve: bool) -> None:
+        """Answer a card as `bastion decide` does."""
+        card_id = card if isinstance(card, str) else card["id"]
+        self.op("answer", card=card_id, approve=approve)
+
+    def approve_next(self, timeout: float = 20) -> dict[str, Any]:
+        card = self.next_card(timeout)
+        self.answer(card, True)
+        return card
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.close()
+        self.stop_daemon()
+
+
+def make_bastion(
+    root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None, start: bool = True
+) -> Bastion:
+    b = Bastion(root, sshd)
+    b.cli("init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
+    b.cli(
+        "key", "import", "deploy-key", str(key_file), "--passphrase-stdin", stdin=PASSPHRASE + "\n"
+    )
+    b.write_policy(policy if policy is not None else policy_toml(sshd))
+    b.config.write_text(b.cli("ssh-config").stdout)
+    if start:
+        b.start_daemon()
+        b.unlock()
+    return b
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll a condition the gateway exposes no event for, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def secret_needles(key_file: Path) -> list[bytes]:
+    """Every form in which the deploy key's secret could leak."""
+    private = serialization.load_ssh_private_key(key_file.read_bytes(), None)
+    seed = private.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    body = key_file.read_text().strip().splitlines()[1:-1]
+    return [
+        seed,
+        seed.hex().encode(),
+        base64.b64encode(seed)[:40],
+        *(line.encode() for line in body[2:-1] if len(line) > 40),
+    ]
