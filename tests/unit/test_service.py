@@ -1,0 +1,349 @@
+"""The request path against fakes: the authorize loop, cards that get no yes,
+the final check, single-use command grants, the intent, action keys, recovery.
+
+Each test builds one gateway lifetime over in-memory parts (`fakes.py`), so
+what the integration tier shows end to end is shown here in milliseconds,
+including the orderings that are hard to hit with real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import pytest
+
+from bastion.core.contract import Code, Failure
+from bastion.core.events import EventType, Outcome, Result, recover
+from bastion.core.gate import Request
+from bastion.core.policy import PolicyError
+from bastion.gateway.approvals import CardError
+from bastion.gateway.service import AgentConn, new_request_id
+from tests.unit.fakes import (
+    PASSPHRASE,
+    FakeJournal,
+    FakeOutbound,
+    FakePolicy,
+    FakeProcessTree,
+    FakeVault,
+    Lifetime,
+    idle,
+    policy,
+)
+
+E = EventType
+
+
+class Rig:
+    """One unlocked lifetime and a helper to send requests through it."""
+
+    def __init__(self, auto: bool = True) -> None:
+        self.vault = FakeVault()
+        self.policy = FakePolicy(policy())
+        self.journal = FakeJournal()
+        self.tree = FakeProcessTree()
+        self.outbound = FakeOutbound(auto=auto)
+        self.life = self.new_lifetime()
+
+    def new_lifetime(self) -> Lifetime:
+        return Lifetime(self.vault, self.policy, self.journal, self.tree, self.outbound)
+
+    async def unlock(self) -> None:
+        await self.life.authority.unlock(PASSPHRASE)
+
+    def send(
+        self, conn: AgentConn, command: bytes = b"echo hi", action: str | None = None, **kw: Any
+    ) -> asyncio.Task[Result | Failure]:
+        req = Request(
+            new_request_id(), conn.host, conn.user, command, conn.peer.subject.key, action
+        )
+        coro: Awaitable[Result | Failure] = self.life.service.handle(
+            conn, req, kw.pop("conversation", None), req.request_id, **kw
+        )
+        return asyncio.ensure_future(coro)
+
+    async def card(self) -> Any:
+        await idle()
+        pending = self.life.book.pending()
+        assert pending, "no card was raised"
+        return pending[-1]
+
+    async def connected(self) -> Any:
+        """The target accepts the one connection the gateway is opening; the exec leaves."""
+        await idle()
+        (call,) = self.outbound.waiting()
+        call.connect()
+        await idle()
+        return call
+
+    async def finished(self, result: Result | None = None) -> None:
+        (await self.connected()).finish(result or Result(Outcome.COMPLETED, exit_status=0))
+
+    async def approve(self) -> Any:
+        card = await self.card()
+        self.life.authority.answer(card.id, True)
+        return card
+
+
+@pytest.fixture
+async def rig() -> Rig:
+    r = Rig()
+    await r.unlock()
+    return r
+
+
+def code(result: Result | Failure) -> Code | None:
+    return result.code
+
+
+async def test_locked_vault_denies_at_once_and_sends_nothing() -> None:
+    r = Rig()  # a lifetime starts locked
+    conn = r.life.connect(r.tree.spawn())
+    result = await r.send(conn)
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert r.life.book.pending() == [] and r.outbound.calls == []
+    assert r.journal.for_request(result.request_id) == ["request_received", "denied"]
+
+
+async def test_approved_session_runs_and_is_reused_by_the_same_process(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    task = rig.send(conn)
+    card = await rig.approve()
+    result = await task
+    assert isinstance(result, Result) and result.outcome is Outcome.COMPLETED
+    assert rig.journal.for_request(card.request_id) == [
+        "request_received",
+        "card_raised",
+        "card_closed",
+        "dispatch_started",
+        "completed",
+    ]
+    again = await rig.send(conn)  # no card this time
+    assert isinstance(again, Result) and len(rig.outbound.sent) == 2
+    other = rig.life.connect(rig.tree.spawn())
+    waiting = rig.send(other)
+    assert (await rig.card()).subject.pid != card.subject.pid
+    waiting.cancel()
+
+
+@pytest.mark.parametrize(
+    "user,command,expected",
+    [("deploy", b"echo hi", Code.SESSION_DENIED), ("ops", b"echo hi", Code.CALL_DENIED)],
+)
+async def test_a_declined_card_is_a_denial_of_its_kind(
+    rig: Rig, user: str, command: bytes, expected: Code
+) -> None:
+    conn = rig.life.connect(rig.tree.spawn(), user=user)
+    task = rig.send(conn, command)
+    if user == "ops":
+        await rig.approve()  # the session card; the command card follows
+    card = await rig.card()
+    rig.life.authority.answer(card.id, False)
+    result = await task
+    assert isinstance(result, Failure) and result.code is expected
+    assert rig.outbound.calls == []
+
+
+@pytest.mark.parametrize(
+    "watched,expected", [(False, Code.NO_APPROVER), (True, Code.APPROVAL_TIMEOUT)]
+)
+async def test_an_unanswered_card_times_out(rig: Rig, watched: bool, expected: Code) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    task = rig.send(conn)
+    await rig.card()
+    if watched:
+        rig.life.book.note_operator()
+    (timer,) = rig.life.timers.armed()
+    assert timer.delay == 120.0
+    timer.fire()
+    result = await task
+    assert isinstance(result, Failure) and result.code is expected
+
+
+async def test_lock_withdraws_waiting_cards_and_nothing_is_kept(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    task = rig.send(conn)
+    card = await rig.card()
+    await rig.life.authority.lock(terminate=False)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    await rig.unlock()
+    with pytest.raises(CardError):
+        rig.life.authority.answer(card.id, True)
+    assert rig.outbound.calls == []
+
+
+async def test_a_card_dies_with_its_connection_or_its_process(rig: Rig) -> None:
+    agent = rig.tree.spawn()
+    conn = rig.life.connect(agent)
+    task = rig.send(conn)
+    await rig.card()
+    rig.life.service.connection_closed(conn)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.SESSION_DENIED
+    assert "ended before it was approved" in result.message
+
+    conn = rig.life.connect(agent)
+    task = rig.send(conn)
+    card = await rig.card()
+    rig.tree.alive_keys.discard((agent.pid, agent.start_time))
+    rig.life.authority.subject_exited(card.subject)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.SESSION_DENIED
+
+
+async def test_the_final_check_stops_a_send_when_the_vault_locks_during_connect() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn)
+    await r.approve()
+    await idle()
+    (call,) = r.outbound.waiting()
+    await r.life.authority.lock(terminate=False)
+    await r.unlock()  # a new epoch: the old decision is void even when unlocked again
+    call.connect()
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.SESSION_DENIED
+    assert result.reauth_reason == "vault_state_changed"
+    assert r.outbound.sent == [] and r.journal.of(E.DISPATCH_STARTED) == []
+
+
+async def test_a_command_grant_is_spent_before_the_send_and_never_reused() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn(), user="ops")
+    task = r.send(conn, b"echo once")
+    await r.approve()  # session
+    command_card = await r.approve()
+    await idle()
+    (call,) = r.outbound.waiting()
+    grant = r.life.book.command_grant(command_card.id)
+    assert grant is not None and not grant.used
+    call.connect()
+    await idle()
+    spent = r.life.book.command_grant(command_card.id)
+    assert spent is not None and spent.used  # the gate itself now refuses it
+    call.finish(Result(Outcome.COMPLETED, exit_status=0))
+    assert isinstance(await task, Result)
+    assert r.life.book.command_grant(command_card.id) is None  # gone with its request
+    again = r.send(conn, b"echo once")
+    assert (await r.card()).kind.value == "command"  # the same bytes need a new card
+    again.cancel()
+
+
+async def test_preapproved_commands_skip_only_the_command_card(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn(), user="ops")
+    task = rig.send(conn, b"uptime")
+    assert (await rig.approve()).kind.value == "session"
+    assert isinstance(await task, Result)
+
+
+async def test_no_durable_intent_means_nothing_is_sent(rig: Rig) -> None:
+    rig.journal.fail_intents = True
+    conn = rig.life.connect(rig.tree.spawn())
+    task = rig.send(conn)
+    await rig.approve()
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.INTERNAL
+    assert rig.outbound.sent == []
+
+
+async def test_an_unknown_outcome_blocks_its_action_until_acknowledged() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn, action="deploy-42")
+    await r.approve()
+    await r.finished(Result(Outcome.UNKNOWN, code=Code.STATUS_UNKNOWN, cause="connection_lost"))
+    first = await task
+    assert isinstance(first, Result) and first.outcome is Outcome.UNKNOWN
+    blocked = await r.send(conn, action="deploy-42")
+    assert isinstance(blocked, Failure) and blocked.code is Code.ACTION_OUTCOME_UNKNOWN
+    assert len(r.outbound.calls) == 1
+    other = r.send(conn, action="other")
+    await r.finished()
+    assert isinstance(await other, Result)
+    acked = r.send(conn, action="deploy-42", ack_unknown=True)
+    await r.finished()
+    assert isinstance(await acked, Result)
+    assert r.journal.of(E.ACTION_ACKNOWLEDGED)
+
+
+async def test_a_restart_closes_what_the_last_lifetime_left_open() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    sent = r.send(conn, action="deploy-1")
+    await r.approve()
+    await r.connected()
+    asking = r.send(r.life.connect(r.tree.spawn()))
+    await r.card()
+    r.life.kill()  # kill -9 while one command runs and one request waits for a card
+    sent.cancel()
+    asking.cancel()
+    await idle()
+    life = r.new_lifetime()
+    life.service.recover(recover(r.journal.records))
+    closed = {x.meta["request_id"]: x.type for x in r.journal.records if x.boot == life.boot_id}
+    first, second = (rec.meta["request_id"] for rec in r.journal.of(E.REQUEST_RECEIVED))
+    assert closed == {first: "unknown", second: "not_started"}
+    assert life.service.actions.blocking("deploy-1") == first  # unknown: look before retrying
+
+
+async def test_an_exec_into_another_binary_ends_the_approval(rig: Rig) -> None:
+    agent = rig.tree.spawn()
+    conn = rig.life.connect(agent)
+    task = rig.send(conn)
+    await rig.approve()
+    await task
+    agent.exe = "/usr/bin/other"  # same pid and start time, another executable
+    conn = rig.life.connect(agent)
+    waiting = rig.send(conn)
+    card = await rig.card()
+    assert card.reason is not None and card.reason.value == "process_changed"
+    waiting.cancel()
+
+
+async def test_a_policy_edit_ends_approvals_of_that_entry(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    task = rig.send(conn)
+    await rig.approve()
+    await task
+    rig.policy.value = policy(port=2222)
+    waiting = rig.send(conn)
+    card = await rig.card()
+    assert card.reason is not None and card.reason.value == "policy_changed"
+    assert rig.life.book.sessions() == []
+    rig.policy.value = PolicyError("broken")
+    rig.life.authority.answer(card.id, True)
+    result = await waiting
+    assert isinstance(result, Failure) and result.code is Code.POLICY_UNAVAILABLE
+    assert [r.type for r in rig.journal.records if r.type.startswith("policy")] == [
+        "policy_loaded",
+        "policy_loaded",
+        "policy_failed",
+    ]
+
+
+async def test_kill_signals_the_command_and_records_its_end(rig: Rig) -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn)
+    await r.approve()
+    await r.connected()
+    (rid,) = r.life.service.inflight
+    ended = await r.life.authority.lock(terminate=True)
+    assert ended == [rid]
+    result = await task
+    assert isinstance(result, Result) and result.outcome is Outcome.SIGNALLED
+    assert r.journal.for_request(rid)[-1] == "signalled"
+
+
+async def test_a_refused_request_is_journaled_and_never_asks(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    result = await rig.send(conn, refusal="no shells here")
+    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert rig.life.book.pending() == [] and rig.outbound.calls == []
