@@ -222,9 +222,9 @@ class ApprovalBook:
     def _grant_command(self, card: Card) -> CommandGrant:
         assert card.session_id is not None and card.command_sha256 is not None
         now = self.clock()
-        self._command_grants = {
-            c: g for c, g in self._command_grants.items() if g.expires_at > now and not g.used
-        }
+        # Expired grants of requests that never came back for them; a used one stays
+        # until its request ends (`discard_command_grant`), so the gate sees it used.
+        self._command_grants = {c: g for c, g in self._command_grants.items() if g.expires_at > now}
         grant = CommandGrant(
             id="cmd_" + secrets.token_hex(6),
             session_id=card.session_id,
