@@ -45,7 +45,7 @@ class Result:
 
     @property
     def error(self) -> dict[str, Any] | None:
-        """The gateway's §4 JSON error: the last stderr line that is one (only
+        """The gateway's agent-facing JSON error: the last stderr line that is one (only
         when the gateway is unreachable does ssh print lines of its own after it)."""
         for line in reversed(self.stderr.strip().splitlines()):
             try:

@@ -1,4 +1,4 @@
-"""The §4 contract table: every code distinct, complete, with its exit status."""
+"""The agent-facing contract table: every code distinct, complete, with its exit status."""
 
 from __future__ import annotations
 
