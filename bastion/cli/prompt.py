@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import socket
 import sys
 import termios
@@ -19,7 +20,10 @@ import tty
 from pathlib import Path
 from typing import Any
 
+from bastion.core.display import escape_text
 from bastion.opsock import OperatorError, call
+
+CLAIM_SHOWN = 200  # characters of the conversation ref a card shows
 
 
 class Style:
@@ -50,36 +54,76 @@ class Style:
 PLAIN = Style(False)
 
 
+def _shown(value: object) -> str:
+    """Every value a card shows goes through the one escaping function."""
+    return escape_text(str(value))
+
+
+def _command_lines(card: dict[str, Any], style: Style) -> list[str]:
+    """The command as the argv it is, one word a line, or as shell source with
+    every construct named and highlighted where it stands."""
+    argv = card.get("argv")
+    if argv is not None:
+        lines = [f"  command:  {len(argv)} word(s), run as this argv (no shell syntax):"]
+        lines += [
+            f"            {i:>3}  {style.bold(shlex.quote(_shown(w)))}" for i, w in enumerate(argv)
+        ]
+        return lines
+    text = _shown(card["command"])
+    marks = sorted((int(a), int(b)) for a, b in card.get("command_marks") or [])
+    pieces, last = [], 0
+    for start, end in marks:
+        pieces += [style.bold(text[last:start]), style.bad(text[start:end])]
+        last = end
+    pieces.append(style.bold(text[last:]))
+    syntax = card.get("shell_syntax") or []
+    lines = [style.warn("  command:  USES SHELL SYNTAX -- the target's shell decides what runs:")]
+    lines += [
+        f"            {_shown(c['text'])!r} at byte {c['offset']}: {_shown(c['what'])}"
+        for c in syntax
+    ]
+    lines.append("            " + "".join(pieces))
+    return lines
+
+
 def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAIN) -> str:
     """A card as a person reads it: who asks, for what, and what changed."""
     s = card["subject"]
     what = "run a command" if card["kind"] == "command" else "use this host and account"
     lines = [
-        style.bold(f"{card['id']}: {card['kind']} approval -- {what}"),
-        f"  target:   {card['user']}@{card['host']}  ({card['address']}:{card['port']}, "
-        f"host key {card['host_key_fingerprint']})",
-        f"  key:      {card['credential']}",
-        f"  asked by: pid {s['pid']}  {s['exe']}"
+        style.bold(f"{_shown(card['id'])}: {_shown(card['kind'])} approval -- {what}"),
+        f"  target:   {_shown(card['user'])}@{_shown(card['host'])}  "
+        f"({_shown(card['address'])}:{card['port']}, "
+        f"host key {_shown(card['host_key_fingerprint'])})",
+        f"  key:      {_shown(card['credential'])}",
+        f"  asked by: pid {s['pid']}  {_shown(s['exe'])}"
         + (style.bad("  [executable deleted or replaced]") if s.get("exe_deleted") else ""),
         f"            uid {s['uid']}, started {_when(s['start_time'])}"
-        + (f", run {s['run']!r}" if s.get("run") else ""),
+        + (f", run {_shown(s['run'])!r}" if s.get("run") else ""),
     ]
     if card.get("reason"):
-        lines.append(style.warn(f"  changed:  an earlier approval ended: {card['reason']}"))
+        lines.append(style.warn(f"  changed:  an earlier approval ended: {_shown(card['reason'])}"))
     if card.get("conversation"):
-        lines.append(f"  conversation (shown, not trusted): {card['conversation']}")
+        claim = _shown(card["conversation"])
+        claim = claim if len(claim) <= CLAIM_SHOWN else claim[:CLAIM_SHOWN] + "..."
+        lines.append(f"  conversation (the agent's claim, not checked): {style.dim(claim)}")
     if card.get("command") is not None:
-        lines.append(f"  command:  {style.bold(card['command'])}")
+        lines += _command_lines(card, style)
     if details:
-        lines.append(f"  exe sha256:     {s['exe_sha256']}")
+        lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
         if card.get("command_sha256"):
-            lines.append(f"  command sha256: {card['command_sha256']}")
-        lines.append(f"  request:        {card['request_id']} (vault epoch {card['vault_epoch']})")
+            lines.append(f"  command sha256: {_shown(card['command_sha256'])}")
+            lines.append(f"  command bytes:  {_shown(card['command'])}")
+        lines.append(
+            f"  request:        {_shown(card['request_id'])} (vault epoch {card['vault_epoch']})"
+        )
         lines.append("  process chain (asking process first):")
         for p in card.get("chain", []):
-            cmd = " ".join(p.get("cmdline") or [])[:120]
-            lines.append(f"    pid {p['pid']:>7}  uid {p['uid']}  {p['exe']}  {style.dim(cmd)}")
-            lines.append(f"             sha256 {p['exe_sha256']}")
+            cmd = _shown(" ".join(p.get("cmdline") or []))[:120]
+            lines.append(
+                f"    pid {p['pid']:>7}  uid {p['uid']}  {_shown(p['exe'])}  {style.dim(cmd)}"
+            )
+            lines.append(f"             sha256 {_shown(p['exe_sha256'])}")
     return "\n".join(lines)
 
 
@@ -161,7 +205,7 @@ class Prompt:
                     line, buf = buf.split(b"\n", 1)
                     event = json.loads(line)
                     if "event" not in event:  # the gateway refused this operator
-                        self.say(self.style.bad(f"refused: {event.get('error')}"))
+                        self.say(self.style.bad(f"refused: {_shown(event.get('error'))}"))
                         return "quit"
                     self._event(event)
             if self.infd in ready:
@@ -181,7 +225,7 @@ class Prompt:
             self.say(
                 self.style.dim(
                     f"{'reconnected to a restarted' if again else 'connected to'} "
-                    f"gateway {event['boot_id']} (vault {state}); "
+                    f"gateway {_shown(event['boot_id'])} (vault {state}); "
                     "waiting for cards -- y approve, n deny, d details, q quit"
                 )
             )
@@ -200,10 +244,10 @@ class Prompt:
                         "timeout": "nobody answered in time",
                         "unseen": "nobody answered in time",
                     }.get(answer, answer)
-                    self.say(self.style.warn(f"  {card_id} withdrawn: {why}"))
+                    self.say(self.style.warn(f"  {_shown(card_id)} withdrawn: {_shown(why)}"))
                 self._show_next()
         elif kind == "notice":
-            self.say(self.style.dim(f"  notice: {event['text']}"))
+            self.say(self.style.dim(f"  notice: {_shown(event['text'])}"))
 
     def _show_next(self) -> None:
         if self.current is None and self.cards:
@@ -228,7 +272,7 @@ class Prompt:
                 call(self.path, "answer", card=card["id"], approve=key == "y")
                 self.say(self.style.good("approved") if key == "y" else self.style.bad("denied"))
             except OperatorError as exc:
-                self.say(self.style.bad(f"not applied: {exc}"))
+                self.say(self.style.bad(f"not applied: {_shown(exc)}"))
             self.cards.pop(card["id"], None)
             self.current = None
             self._show_next()

@@ -3,7 +3,9 @@
 A card is a question about one request at one moment (one vault epoch, one
 gateway lifetime). Its text is built here, from the gate's verdict, so what
 the operator reads is exactly what the gate asked: the target, the key, the
-process, and for command cards the exact bytes (escaped) and their digest.
+process, and for command cards the exact bytes (escaped) and their digest,
+with the argv every POSIX shell would run or, for shell source, every
+construct that makes it so and where it stands.
 Cards are never edited: a changed world means a new card.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bastion.core.command import Construct
+from bastion.core.display import escape_command_marked
 from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Request
 from bastion.core.subject import Peer, ProcessInfo, Subject
 
@@ -31,6 +35,9 @@ class Card:
     host_key_fingerprint: str
     command: str | None  # exact command, non-printable bytes escaped (command cards)
     command_sha256: str | None
+    argv: tuple[str, ...] | None  # command cards: the argv every POSIX shell runs, if it has one
+    shell_syntax: tuple[Construct, ...]  # command cards: the constructs of shell source
+    command_marks: tuple[tuple[int, int], ...]  # where in `command` each construct is shown
     subject: Subject
     chain: tuple[ProcessInfo, ...]
     conversation: str | None
@@ -55,6 +62,9 @@ class Card:
             "host_key_fingerprint": self.host_key_fingerprint,
             "command": self.command,
             "command_sha256": self.command_sha256,
+            "argv": list(self.argv) if self.argv is not None else None,
+            "shell_syntax": [c.as_json() for c in self.shell_syntax],
+            "command_marks": [list(m) for m in self.command_marks],
             "subject": self.subject.as_json(),
             "chain": [p.as_json() for p in self.chain],
             "conversation": self.conversation,
@@ -62,31 +72,6 @@ class Card:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
         }
-
-
-def escape_command(command: bytes) -> str:
-    """Show exactly what will run: printable ASCII as is, everything else
-    escaped, so a person can never be shown something other than the bytes."""
-    out: list[str] = []
-    for ch in command.decode("utf-8", errors="surrogateescape"):
-        code = ord(ch)
-        if ch == "\\":
-            out.append("\\\\")
-        elif 0x20 <= code < 0x7F:
-            out.append(ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif code < 0x100:
-            out.append(f"\\x{code:02x}")
-        elif 0xDC80 <= code <= 0xDCFF:  # an undecodable byte
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif code <= 0xFFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    return "".join(out)
 
 
 def make_card(
@@ -104,6 +89,9 @@ def make_card(
     a command card also the exact bytes it would send."""
     host, account = verdict.host, verdict.account
     is_command = isinstance(verdict, AskCommand)
+    reading = verdict.check.reading if isinstance(verdict, AskCommand) else None
+    constructs = reading.constructs if reading is not None else ()
+    shown, marks = escape_command_marked(req.command, [c.offset for c in constructs])
     return Card(
         id=card_id,
         kind=CardKind.COMMAND if is_command else CardKind.SESSION,
@@ -115,8 +103,11 @@ def make_card(
         user=account.user,
         credential=account.credential,
         host_key_fingerprint=host.fingerprint,
-        command=escape_command(req.command) if is_command else None,
+        command=shown if is_command else None,
         command_sha256=req.command_sha256 if is_command else None,
+        argv=reading.argv if reading is not None else None,
+        shell_syntax=constructs,
+        command_marks=tuple(marks) if is_command else (),
         subject=peer.subject,
         chain=peer.chain,
         conversation=conversation,

@@ -22,13 +22,14 @@ from bastion.core.contract import Code, Failure
 from bastion.core.defaults import MAX_COMMAND_BYTES
 from bastion.core.policy import (
     Account,
-    ApprovalMode,
+    CommandCheck,
     Host,
     Policy,
     PolicyError,
     check_command,
     entry_digest,
-    is_preapproved,
+    needs_command_card,
+    preapproval,
 )
 from bastion.core.subject import SubjectKey
 
@@ -147,6 +148,7 @@ class AskCommand:
     host: Host
     account: Account
     session: SessionGrant
+    check: CommandCheck  # how the command reads (argv or shell source) and why it asks
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,57 @@ def command_grant_holds(
     )
 
 
+@dataclass(frozen=True)
+class Assessment:
+    """What the policy alone says of a command: the entry, how the command reads,
+    which rule decided, and whether it will need a command card. The gate acts on
+    it; `bastion check-command` prints it, so the two cannot disagree."""
+
+    deny: Deny | None
+    host: Host | None = None
+    account: Account | None = None
+    check: CommandCheck | None = None
+    command_card: bool = False
+    preapproved: str | None = None  # the preapproved rule that spares the command card
+
+
+def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessment:
+    """Step 3 (host, account, command rules) and step 5's question: a card or not."""
+    host = policy.host(host_name)
+    if host is None:
+        known = ", ".join(sorted(policy.hosts)) or "none"
+        return Assessment(
+            Deny(
+                Code.UNKNOWN_HOST,
+                f'Host "{host_name}" is not in the gateway policy (known hosts: {known}). '
+                f"{NOT_SENT}",
+            )
+        )
+    account = host.account(user)
+    if account is None:
+        users = ", ".join(a.user for a in host.accounts)
+        return Assessment(
+            Deny(
+                Code.POLICY_DENIED,
+                f'Account "{user}" is not allowed on host "{host_name}" (allowed: {users}). '
+                f"{NOT_SENT}",
+            ),
+            host,
+        )
+    check = check_command(account, command.decode("utf-8"))
+    if not check.allowed:
+        deny = Deny(Code.POLICY_DENIED, f"Policy denies this command: {check.reason}. {NOT_SENT}")
+        return Assessment(deny, host, account, check)
+    return Assessment(
+        None,
+        host,
+        account,
+        check,
+        needs_command_card(account, check),
+        preapproval(account, check),
+    )
+
+
 def evaluate(req: Request, world: World) -> Verdict:
     """The checks in their contract order; the first that fails decides."""
     # 1. A locked vault ends everything at once; nothing else is evaluated.
@@ -236,25 +289,12 @@ def evaluate(req: Request, world: World) -> Verdict:
             "The gateway's policy could not be loaded, so no command can be authorised. "
             f"An operator must fix the policy files. {NOT_SENT}",
         )
-    # 3. Policy: host, account, command.
-    host = world.policy.host(req.host)
-    if host is None:
-        known = ", ".join(sorted(world.policy.hosts)) or "none"
-        return Deny(
-            Code.UNKNOWN_HOST,
-            f'Host "{req.host}" is not in the gateway policy (known hosts: {known}). {NOT_SENT}',
-        )
-    account = host.account(req.user)
-    if account is None:
-        users = ", ".join(a.user for a in host.accounts)
-        return Deny(
-            Code.POLICY_DENIED,
-            f'Account "{req.user}" is not allowed on host "{req.host}" (allowed: {users}). '
-            f"{NOT_SENT}",
-        )
-    check = check_command(account, req.command.decode("utf-8"))
-    if not check.allowed:
-        return Deny(Code.POLICY_DENIED, f"Policy denies this command: {check.reason}. {NOT_SENT}")
+    # 3. Policy: host, account, command (read as argv or shell source).
+    judged = assess(world.policy, req.host, req.user, req.command)
+    if judged.deny is not None:
+        return judged.deny
+    host, account, check = judged.host, judged.account, judged.check
+    assert host is not None and account is not None and check is not None
     # 3b. The agent's logical action ended unknown last time: look before acting again.
     if world.action_unknown is not None:
         return Deny(
@@ -277,13 +317,11 @@ def evaluate(req: Request, world: World) -> Verdict:
     stale = session_problem(session, world, digest)
     if stale is not None:
         return AskSession(host, account, digest, stale)
-    # 5. Per-command accounts: this exact command, once.
-    if account.approval is ApprovalMode.PER_COMMAND and not is_preapproved(
-        account, req.command.decode("utf-8")
-    ):
+    # 5. This exact command, once: per-command accounts, and shell source where it asks.
+    if judged.command_card:
         grant = world.command_grant
         if grant is None or not command_grant_holds(grant, req, host, account, session, world.now):
-            return AskCommand(host, account, session)
+            return AskCommand(host, account, session, check)
         return Dispatch(host, account, session, grant)
     return Dispatch(host, account, session, None)
 

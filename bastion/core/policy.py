@@ -12,7 +12,6 @@ import base64
 import binascii
 import difflib
 import enum
-import fnmatch
 import hashlib
 import json
 import math
@@ -27,10 +26,24 @@ from typing import Any, NoReturn
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
+from bastion.core.command import Reading, RuleError, WordRule, parse_rule, read_command
+
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
 _HOST_FIELDS = ("address", "port", "host_key", "connect_timeout", "accounts")
-_ACCOUNT_FIELDS = ("user", "credential", "approval", "allow", "deny", "preapproved")
+_ACCOUNT_FIELDS = (
+    "user",
+    "credential",
+    "approval",
+    "allow",
+    "deny",
+    "preapproved",
+    "shell",
+    "login_shell",
+)
+# Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
+# (core/command.py) is the argv they run.
+POSIX_SHELLS = ("posix", "sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox")
 _HOST_KEY_TYPES = (
     "ssh-ed25519",
     "ssh-rsa",
@@ -49,15 +62,25 @@ class ApprovalMode(enum.Enum):
     PER_COMMAND = "per-command"
 
 
+class ShellMode(enum.Enum):
+    """What an account does with a command that is shell source, not plain words."""
+
+    DENY = "deny"  # refused with POLICY_DENIED, naming the first construct
+    CARD = "card"  # a command card, marked "uses shell syntax", for every such command
+    ALLOW = "allow"  # treated like any command (session accounts without `allow` only)
+
+
 @dataclass(frozen=True)
 class Account:
     user: str
     credential: str
     approval: ApprovalMode
-    allow: tuple[str, ...] | None
-    deny: tuple[str, ...]
-    preapproved: tuple[str, ...]
+    allow: tuple[WordRule, ...] | None
+    deny: tuple[WordRule, ...]
+    preapproved: tuple[WordRule, ...]
     host: str = ""  # alias of the owning host, so reasons can say "deploy@web1"
+    shell: ShellMode = ShellMode.DENY
+    login_shell: str = "posix"
 
     @property
     def label(self) -> str:
@@ -101,6 +124,7 @@ class CommandCheck:
     allowed: bool
     rule: str | None
     reason: str
+    reading: Reading
 
 
 def quote(value: object) -> str:
@@ -140,16 +164,62 @@ def _name(value: object, field: str, where: str) -> str:
     return value
 
 
-def _globs(table: dict[str, Any], field: str, where: str) -> tuple[str, ...] | None:
+def _rules(table: dict[str, Any], field: str, where: str) -> tuple[WordRule, ...] | None:
     if field not in table:
         return None
     value = table[field]
     if not isinstance(value, list):
-        fail(where, f'field "{field}" must be a list of glob strings, got {quote(value)}')
-    for i, glob in enumerate(value):
-        if not isinstance(glob, str) or not glob:
-            fail(where, f'field "{field}"[{i}] must be a non-empty string, got {quote(glob)}')
-    return tuple(value)
+        fail(where, f'field "{field}" must be a list of rules (strings), got {quote(value)}')
+    rules: list[WordRule] = []
+    for i, text in enumerate(value):
+        if not isinstance(text, str) or not text.strip():
+            fail(where, f'field "{field}"[{i}] must be a non-empty string, got {quote(text)}')
+        try:
+            rules.append(parse_rule(text))
+        except RuleError as exc:
+            fail(where, f'field "{field}"[{i}]: {exc}')
+    return tuple(rules)
+
+
+def _shell_mode(
+    raw: dict[str, Any], approval: ApprovalMode, has_allow: bool, where: str
+) -> ShellMode:
+    """Safe defaults: an allow list admits plain commands only; a per-command
+    account sends shell source to a card; a session account without an allow
+    list keeps running what it is sent."""
+    if has_allow:
+        default, permitted = ShellMode.DENY, (ShellMode.DENY,)
+    elif approval is ApprovalMode.PER_COMMAND:
+        default, permitted = ShellMode.CARD, (ShellMode.CARD, ShellMode.DENY)
+    else:
+        default, permitted = ShellMode.ALLOW, tuple(ShellMode)
+    value = raw.get("shell", default.value)
+    if value not in [m.value for m in ShellMode]:
+        modes = ", ".join(quote(m.value) for m in ShellMode)
+        fail(where, f'field "shell" must be one of {modes}, got {quote(value)}')
+    mode = ShellMode(value)
+    if mode not in permitted:
+        why = (
+            "an allow list admits plain commands only, so shell source is refused"
+            if has_allow
+            else "a per-command account approves every command, shell source included, on a card"
+        )
+        allowed = ", ".join(quote(m.value) for m in permitted)
+        fail(where, f'field "shell" cannot be {quote(value)} here ({why}); use {allowed}')
+    return mode
+
+
+def _login_shell(raw: dict[str, Any], where: str) -> str:
+    value = raw.get("login_shell", "posix")
+    if value not in POSIX_SHELLS:
+        fail(
+            where,
+            f'field "login_shell" is {quote(value)}: bastion reads each command as a POSIX '
+            "shell runs `sh -c`, and sends it to the account's login shell; a shell that is "
+            "not POSIX-compatible would run something else. Give the account a POSIX shell "
+            f"({', '.join(POSIX_SHELLS[1:])}) and set login_shell to it.",
+        )
+    return str(value)
 
 
 def host_key_fingerprint(host_key: str) -> str:
@@ -189,14 +259,18 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
             f'field "approval" must be one of {", ".join(map(quote, modes))}, '
             f"got {quote(approval)}",
         )
+    mode = ApprovalMode(approval)
+    allow = _rules(raw, "allow", where)
     return Account(
         user=user,
         credential=credential,
-        approval=ApprovalMode(approval),
-        allow=_globs(raw, "allow", where),
-        deny=_globs(raw, "deny", where) or (),
-        preapproved=_globs(raw, "preapproved", where) or (),
+        approval=mode,
+        allow=allow,
+        deny=_rules(raw, "deny", where) or (),
+        preapproved=_rules(raw, "preapproved", where) or (),
         host=host,
+        shell=_shell_mode(raw, mode, allow is not None, where),
+        login_shell=_login_shell(raw, where),
     )
 
 
@@ -277,9 +351,11 @@ def _account_doc(a: Account) -> dict[str, Any]:
         "user": a.user,
         "credential": a.credential,
         "approval": a.approval.value,
-        "allow": None if a.allow is None else list(a.allow),
-        "deny": list(a.deny),
-        "preapproved": list(a.preapproved),
+        "allow": None if a.allow is None else [r.text for r in a.allow],
+        "deny": [r.text for r in a.deny],
+        "preapproved": [r.text for r in a.preapproved],
+        "shell": a.shell.value,
+        "login_shell": a.login_shell,
     }
 
 
@@ -331,25 +407,70 @@ def build_policy(files: Iterable[tuple[str, str, str]]) -> Policy:
 
 
 def check_command(account: Account, command: str) -> CommandCheck:
-    """Deny wins; a present allow list is exhaustive. `*` spans spaces, `;` and `/`,
-    so globs describe the exact string the remote shell gets, not a sandbox."""
+    """What the account's rules say of this command, read as the target's shell reads it.
+
+    Deny wins, over the raw string (one glob) and over the argv (word patterns):
+    a guardrail, not a boundary. Shell source never matches `allow`; the
+    account's `shell` mode says what happens to it. A present allow list is
+    exhaustive, and its rules match argv words, never text across them.
+    """
+    reading = read_command(command)
     who = account.label
     for rule in account.deny:
-        if fnmatch.fnmatchcase(command, rule):
-            return CommandCheck(False, rule, f"command matches deny rule {quote(rule)} for {who}")
+        if rule.matches_text(command) or (reading.argv is not None and rule.matches(reading.argv)):
+            reason = f"command matches deny rule {quote(rule.text)} for {who}"
+            return CommandCheck(False, rule.text, reason, reading)
+    if reading.argv is None:
+        if account.shell is ShellMode.DENY:
+            return CommandCheck(
+                False,
+                None,
+                f"{who} runs plain commands only (words, 'quoted' or \"quoted\", separated by "
+                f"spaces), and this one uses shell syntax: {reading.summary()}. Send one "
+                "program and its arguments, without ; | & $ ` < > or newlines",
+                reading,
+            )
+        what = "needs a command card" if account.shell is ShellMode.CARD else "is allowed"
+        return CommandCheck(
+            True, None, f"shell source ({reading.summary()}); for {who} it {what}", reading
+        )
     if account.allow is None:
-        return CommandCheck(True, None, f"no deny rule matches and {who} has no allow list")
+        return CommandCheck(
+            True, None, f"no deny rule matches and {who} has no allow list", reading
+        )
     for rule in account.allow:
-        if fnmatch.fnmatchcase(command, rule):
-            return CommandCheck(True, rule, f"command matches allow rule {quote(rule)} for {who}")
+        if rule.matches(reading.argv):
+            reason = f"command matches allow rule {quote(rule.text)} for {who}"
+            return CommandCheck(True, rule.text, reason, reading)
     if not account.allow:
-        return CommandCheck(False, None, f"{who} allows no commands (allow = [])")
-    allowed = ", ".join(quote(r) for r in account.allow)
-    return CommandCheck(False, None, f"command matches no allow rule for {who}; allowed: {allowed}")
+        return CommandCheck(False, None, f"{who} allows no commands (allow = [])", reading)
+    allowed = ", ".join(quote(r.text) for r in account.allow)
+    return CommandCheck(
+        False,
+        None,
+        f"command matches no allow rule for {who} (rules match whole words: * stays within "
+        f'one word, "..." last matches any further words); allowed: {allowed}',
+        reading,
+    )
+
+
+def preapproval(account: Account, check: CommandCheck) -> str | None:
+    """The preapproved rule this command matches, if any. Needs an allowed check
+    (so a preapproval never outranks deny or allow) and an argv: shell source
+    is never preapproved."""
+    argv = check.reading.argv
+    if not check.allowed or argv is None:
+        return None
+    return next((r.text for r in account.preapproved if r.matches(argv)), None)
+
+
+def needs_command_card(account: Account, check: CommandCheck) -> bool:
+    """Per-command accounts card every command not preapproved; an account whose
+    shell mode is "card" cards every command that is shell source."""
+    if account.approval is ApprovalMode.PER_COMMAND:
+        return preapproval(account, check) is None
+    return check.reading.argv is None and account.shell is ShellMode.CARD
 
 
 def is_preapproved(account: Account, command: str) -> bool:
-    """Also requires check_command to pass, so a preapproval can never outrank deny/allow."""
-    return check_command(account, command).allowed and any(
-        fnmatch.fnmatchcase(command, rule) for rule in account.preapproved
-    )
+    return preapproval(account, check_command(account, command)) is not None

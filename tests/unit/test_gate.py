@@ -20,6 +20,7 @@ from bastion.core.gate import (
     Request,
     SessionGrant,
     World,
+    assess,
     evaluate,
     validate_command,
 )
@@ -230,3 +231,26 @@ def test_an_action_with_an_unknown_outcome_is_refused_before_any_card() -> None:
     assert "req_9" in verdict.message and "BASTION_ACK_UNKNOWN=1" in verdict.message
     locked = evaluate(request(), world(action_unknown="req_9", locked=True))
     assert isinstance(locked, Deny) and locked.code is Code.VAULT_LOCKED
+
+
+def test_shell_source_never_passes_an_allow_list() -> None:
+    verdict = evaluate(request(b"echo hi; id"), world(session=grant()))
+    assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_DENIED
+    assert "';' at byte 7 (command separator)" in verdict.message
+
+
+def test_shell_source_on_a_per_command_account_asks_a_card_that_says_so() -> None:
+    w = world(session=grant("ops"))
+    verdict = evaluate(request(b"uptime; id", "ops"), w)  # preapproved "uptime" does not apply
+    assert isinstance(verdict, AskCommand)
+    assert verdict.check.reading.argv is None
+    assert [c.text for c in verdict.check.reading.constructs] == [";"]
+    plain = evaluate(request(b"uptime", "ops"), w)
+    assert isinstance(plain, Dispatch) and plain.command_grant is None
+
+
+def test_assess_is_the_gates_policy_step() -> None:
+    judged = assess(POLICY, "web1", "ops", b"uptime")
+    assert (judged.deny, judged.command_card, judged.preapproved) == (None, False, "uptime")
+    assert assess(POLICY, "web1", "ops", b"ls | head").command_card
+    assert assess(POLICY, "nope", "ops", b"ls").deny.code is Code.UNKNOWN_HOST  # type: ignore[union-attr]

@@ -14,11 +14,14 @@ from bastion.core.policy import (
     ApprovalMode,
     Policy,
     PolicyError,
+    ShellMode,
     check_command,
     entry_digest,
     host_key_fingerprint,
     is_preapproved,
+    needs_command_card,
     parse_policy_text,
+    preapproval,
 )
 from bastion.policy_files import PolicyStore, load_policy_dir
 
@@ -97,10 +100,13 @@ def test_valid_policy_loads(pdir: Path) -> None:
     deploy = web1.account("deploy")
     assert deploy is not None and web1.account("root") is None
     assert deploy.approval is ApprovalMode.PER_COMMAND
-    assert deploy.allow == ("systemctl status *", "journalctl -u *")
-    assert deploy.deny == ("*rm -rf*",) and deploy.label == "deploy@web1"
+    assert deploy.allow is not None
+    assert [r.text for r in deploy.allow] == ["systemctl status *", "journalctl -u *"]
+    assert [r.text for r in deploy.deny] == ["*rm -rf*"] and deploy.label == "deploy@web1"
+    assert deploy.shell is ShellMode.DENY  # an allow list admits plain commands only
     pg = db1.accounts[0]
     assert (pg.approval, pg.allow, pg.deny, pg.preapproved) == (ApprovalMode.SESSION, None, (), ())
+    assert (pg.shell, pg.login_shell) == (ShellMode.ALLOW, "posix")
     assert pol.host("WEB1") is web1  # OpenSSH lowercases %h; lookup tolerates case
     assert pol.host("nope") is None
     assert len(pol.digest) == 64
@@ -265,10 +271,8 @@ def test_deny_wins_over_allow() -> None:
 def test_allow_present_and_no_match_denied() -> None:
     check = check_command(deploy(), "cat /etc/shadow")
     assert (check.allowed, check.rule) == (False, None)
-    assert check.reason == (
-        'command matches no allow rule for deploy@web1; allowed: "systemctl status *", '
-        '"journalctl -u *"'
-    )
+    assert check.reason.startswith("command matches no allow rule for deploy@web1")
+    assert check.reason.endswith('allowed: "systemctl status *", "journalctl -u *"')
     ok = check_command(deploy(), "journalctl -u nginx")
     assert (ok.allowed, ok.rule) == (True, "journalctl -u *")
 
@@ -287,12 +291,16 @@ def test_empty_allow_allows_nothing() -> None:
     assert not check.allowed and "allows no commands" in check.reason
 
 
-def test_globs_span_spaces_and_slashes_and_are_exact() -> None:
+def test_rules_match_whole_words_of_the_argv() -> None:
     account = deploy()
-    assert check_command(account, "systemctl status nginx --no-pager /a/b").allowed
-    assert not check_command(account, " systemctl status nginx").allowed  # exact string
+    assert check_command(account, "systemctl status nginx").allowed
+    assert check_command(account, "  systemctl  status 'nginx'").allowed  # the same argv
+    assert check_command(account, "systemctl status /a/b").allowed  # * spans / in a word
+    assert not check_command(account, "systemctl status nginx --no-pager").allowed  # a word more
+    assert not check_command(account, "systemctl status").allowed  # a word less
     assert not check_command(account, "SYSTEMCTL STATUS nginx").allowed  # case-sensitive
-    assert not check_command(account, "systemctl status").allowed  # the space is literal
+    shell = check_command(account, "systemctl status x; id")
+    assert not shell.allowed and "';' at byte 18 (command separator)" in shell.reason
 
 
 def test_preapproved() -> None:
@@ -423,3 +431,75 @@ def test_store_reacts_to_chmod_and_missing_dir(tmp_path: Path) -> None:
     assert isinstance(store.current(), Policy)
     path.chmod(0o666)
     assert isinstance(store.current(), PolicyError)
+
+
+# --- shell source and the account's shell mode ---------------------------------------------
+
+
+def account_of(extra: str, approval: str = "session", allow: str | None = None) -> Account:
+    lines = [
+        '[hosts.h]\naddress = "a"',
+        f'host_key = "{KEY1}"',
+        "[[hosts.h.accounts]]",
+        'user = "u"\ncredential = "k"',
+        f'approval = "{approval}"',
+    ]
+    if allow is not None:
+        lines.append(f"allow = {allow}")
+    account = parse_policy_text("\n".join([*lines, extra]) + "\n", "x.toml")["h"].accounts[0]
+    return account
+
+
+@pytest.mark.parametrize(
+    "approval,allow,default,refused",
+    [
+        ("session", None, ShellMode.ALLOW, []),
+        ("per-command", None, ShellMode.CARD, ["allow"]),
+        ("session", '["ls"]', ShellMode.DENY, ["card", "allow"]),
+        ("per-command", '["ls"]', ShellMode.DENY, ["card", "allow"]),
+    ],
+)
+def test_shell_mode_defaults_are_safe_and_contradictions_refused(
+    approval: str, allow: str | None, default: ShellMode, refused: list[str]
+) -> None:
+    assert account_of("", approval, allow).shell is default
+    for value in refused:
+        with pytest.raises(PolicyError, match='field "shell" cannot be'):
+            account_of(f'shell = "{value}"', approval, allow)
+    with pytest.raises(PolicyError, match='field "shell" must be one of'):
+        account_of('shell = "maybe"', approval, allow)
+
+
+def test_shell_source_per_mode() -> None:
+    source = "ls | head"
+    refused = check_command(account_of('shell = "deny"'), source)
+    assert not refused.allowed and "'|' at byte 3 (pipe or or-list)" in refused.reason
+    carded = account_of('shell = "card"')
+    check = check_command(carded, source)
+    assert check.allowed and needs_command_card(carded, check)
+    assert not needs_command_card(carded, check_command(carded, "ls -l"))
+    allowed = account_of("")
+    assert not needs_command_card(allowed, check_command(allowed, source))
+    per_command = account_of('preapproved = ["ls ..."]', "per-command")
+    assert needs_command_card(per_command, check_command(per_command, source))
+    assert preapproval(per_command, check_command(per_command, "ls -l")) == "ls ..."
+    assert preapproval(per_command, check_command(per_command, "ls -l | head")) is None
+
+
+def test_deny_matches_the_string_and_the_argv() -> None:
+    account = account_of('deny = ["*rm -rf*", "rm ..."]')
+    assert not check_command(account, "echo x; rm -rf /").allowed  # the string
+    assert not check_command(account, "r''m -r -f /tmp/x").allowed  # the argv
+    assert check_command(account, "echo rm").allowed
+
+
+@pytest.mark.parametrize("shell", ["fish", "csh", "tcsh", "nu", "powershell"])
+def test_a_login_shell_that_is_not_posix_is_refused(shell: str) -> None:
+    with pytest.raises(PolicyError, match="not POSIX-compatible"):
+        account_of(f'login_shell = "{shell}"')
+    assert account_of('login_shell = "zsh"').login_shell == "zsh"
+
+
+def test_a_rule_with_shell_syntax_is_a_policy_error_naming_the_field() -> None:
+    with pytest.raises(PolicyError, match=r'field "allow"\[1\]: rule .*uses shell syntax'):
+        account_of("", allow='["ls", "systemctl status *; *"]')
