@@ -20,6 +20,7 @@ import click
 from bastion import opsock
 from bastion.cli.agents import hostkey, proxy, run, ssh_config
 from bastion.cli.audit import audit
+from bastion.cli.check import check_command
 from bastion.cli.common import (
     HOST_KEY_ALIAS,
     emit,
@@ -51,7 +52,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-for command in (key, audit, hostkey, ssh_config, proxy, run):
+for command in (key, audit, hostkey, ssh_config, proxy, run, check_command):
     main.add_command(command)
 
 

@@ -491,6 +491,17 @@ def check_ssh_config(w: World, r: Out) -> None:
     assert f"    KnownHostsCommand /bin/echo {pinned}\n" in text
 
 
+def check_check_command(w: World, r: Out) -> None:
+    """The policy's verdict needs no gateway: the same answer both ways."""
+    verdict = json_out(r)
+    assert verdict["argv"] == ["echo", "hello world"] and verdict["verdict"] == "no_command_card"
+    source = ok(w.cli("check-command", "web1", USER, "echo hi; id"))  # a session account
+    assert "reads as: shell source: ';' at byte 7 (command separator)" in source.stdout
+    assert "verdict:  no command card" in source.stdout  # without `allow`, as before
+    unknown = w.cli("check-command", "nope", USER, "true")
+    assert unknown.returncode == 1 and "denied UNKNOWN_HOST" in unknown.stdout
+
+
 def check_proxy_offline(w: World, r: Out) -> None:
     assert r.returncode == 70, r
     assert r.stdout == ""
@@ -738,6 +749,11 @@ ROWS: list[Row] = [
         offline=Case(("{address}", "--port", "{port}"), check_hostkey),
     ),
     Row(("ssh-config",), online=Case((), check_ssh_config), offline=Case((), check_ssh_config)),
+    Row(
+        ("check-command",),
+        online=Case(("--json", "web1", "{user}", "echo 'hello world'"), check_check_command),
+        offline=Case(("--json", "web1", "{user}", "echo 'hello world'"), check_check_command),
+    ),
     Row(
         ("proxy",),
         online=Case(("web1", "22", "{user}"), check_proxy_online, stdin=""),

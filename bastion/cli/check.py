@@ -1,0 +1,110 @@
+"""`bastion check-command HOST USER 'COMMAND'`: what the policy says, before an agent asks.
+
+Offline (no gateway, no passphrase): it reads the policy files and runs the
+gate's own policy step (`core.gate.assess`) -- the same function the live
+gateway calls -- and prints how the command reads (an argv, or shell source
+with its constructs), which rule decided, and what the agent would meet:
+a denial, a command card, or no command card (after the session card a new
+process always gets).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bastion.cli.common import home_of
+
+
+def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[str, Any]:
+    """The policy's verdict as data (also what `--json` prints)."""
+    from bastion.core.gate import assess, validate_command
+    from bastion.core.policy import PolicyError
+    from bastion.policy_files import load_policy_dir
+
+    out: dict[str, Any] = {
+        "host": host,
+        "user": user,
+        "command": command.decode("utf-8", "backslashreplace"),
+        "argv": None,
+        "shell_syntax": [],
+        "rule": None,
+        "preapproved": None,
+        "verdict": "denied",
+        "code": None,
+        "reason": "",
+    }
+    problem = validate_command(command)
+    if problem is not None:
+        return {**out, "code": "UNSUPPORTED_REQUEST", "reason": problem}
+    try:
+        policy = load_policy_dir(policy_dir)
+    except PolicyError as exc:
+        return {**out, "code": "POLICY_UNAVAILABLE", "reason": str(exc)}
+    judged = assess(policy, host, user, command)
+    if judged.check is not None:
+        reading = judged.check.reading
+        out["argv"] = list(reading.argv) if reading.argv is not None else None
+        out["shell_syntax"] = [c.as_json() for c in reading.constructs]
+        out["rule"] = judged.check.rule
+        out["reason"] = judged.check.reason
+    if judged.deny is not None:
+        return {**out, "code": judged.deny.code.value, "reason": judged.deny.message}
+    out["preapproved"] = judged.preapproved
+    out["verdict"] = "command_card" if judged.command_card else "no_command_card"
+    return out
+
+
+def _human(v: dict[str, Any]) -> str:
+    from bastion.core.display import escape_text
+
+    if v["argv"] is not None:
+        reads = "argv " + json.dumps(v["argv"])
+    elif v["shell_syntax"]:
+        reads = "shell source: " + ", ".join(
+            f"{c['text']!r} at byte {c['offset']} ({c['what']})" for c in v["shell_syntax"]
+        )
+    else:
+        reads = "-"
+    if v["verdict"] == "denied":
+        what = f"denied {v['code']}: {v['reason']}"
+    elif v["verdict"] == "command_card":
+        what = "a command card for this exact command (after the session card)"
+    else:
+        spared = f' (preapproved by "{v["preapproved"]}")' if v["preapproved"] else ""
+        what = f"no command card{spared}: runs once the process is approved for the session"
+    lines = [
+        f"command:  {escape_text(v['command'])}",
+        f"reads as: {escape_text(reads)}",
+        f"rule:     {escape_text(v['rule'] or '-')}",
+        f"verdict:  {escape_text(what)}",
+    ]
+    return "\n".join(lines)
+
+
+@click.command("check-command")
+@click.argument("host")
+@click.argument("user")
+@click.argument("command")
+@click.option(
+    "--policies",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Policy directory (default: HOME/policies).",
+)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def check_command(
+    ctx: click.Context, host: str, user: str, command: str, policies: Path | None, as_json: bool
+) -> None:
+    """What the policy says of COMMAND as USER on HOST: how it reads (argv or shell
+    source), which rule decides, and whether it is denied, needs a command card,
+    or needs none. Offline; exit 0 unless the command would be denied."""
+    directory = (policies or home_of(ctx).policies).absolute()
+    verdict = verdict_of(directory, host.lower(), user, command.encode("utf-8", "surrogateescape"))
+    click.echo(json.dumps(verdict, indent=2) if as_json else _human(verdict))
+    sys.exit(1 if verdict["verdict"] == "denied" else 0)
