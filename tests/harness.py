@@ -10,11 +10,15 @@ build these are in `conftest.py`; `bench/` uses this module too.
 from __future__ import annotations
 
 import base64
+import contextlib
 import getpass
 import itertools
 import json
 import os
 import queue
+import re
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -122,6 +126,10 @@ class Agent:
         )
         self.proc.stdin.flush()
         return rid
+
+    def finished(self, rid: int) -> bool:
+        """Has the ssh call `rid` ended (its result is waiting)?"""
+        return self._replies[rid].qsize() > 0
 
     def wait(self, rid: int, timeout: float = 90) -> Result:
         reply = self._replies[rid].get(timeout=timeout)
@@ -313,3 +321,55 @@ def secret_needles(key_file: Path) -> list[bytes]:
         base64.b64encode(seed)[:40],
         *(line.encode() for line in body[2:-1] if len(line) > 40),
     ]
+
+
+ANSI = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+class Terminal:
+    """A program on the slave side of a pty; we read its screen and type keys."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.master, slave = os.openpty()
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
+        )
+        os.close(slave)
+        self.seen = b""
+        self.raw = b""  # every byte the program wrote, escape sequences and all
+
+    def expect(self, text: str, timeout: float = 20) -> str:
+        """Wait until `text` appears on the screen after what was already matched."""
+        deadline = time.monotonic() + timeout
+        while True:
+            plain = ANSI.sub(b"", self.seen)
+            idx = plain.find(text.encode())
+            if idx >= 0:
+                self.seen = plain[idx + len(text) :]
+                return plain[: idx + len(text)].decode("utf-8", "replace")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{text!r} not shown; screen: {plain.decode()[-2000:]}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                with contextlib.suppress(OSError):  # the program exited, closing the pty
+                    chunk = os.read(self.master, 65536)
+                    self.raw += chunk
+                    self.seen += chunk
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(10)
+        os.close(self.master)
+
+
+def python_copy(tmp_path: Path, name: str) -> Path:
+    """A runnable python with another sha256 (ELF ignores trailing bytes)."""
+    copy = tmp_path / name
+    copy.write_bytes(Path(sys.executable).resolve().read_bytes() + name.encode())
+    copy.chmod(0o755)
+    return copy

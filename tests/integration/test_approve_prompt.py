@@ -2,59 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import select
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import Bastion
-
-ANSI = re.compile(rb"\x1b\[[0-9;]*m")
-
-
-class Terminal:
-    """A program on the slave side of a pty; we read its screen and type keys."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.master, slave = os.openpty()
-        self.proc = subprocess.Popen(
-            argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
-        )
-        os.close(slave)
-        self.seen = b""
-
-    def expect(self, text: str, timeout: float = 20) -> str:
-        """Wait until `text` appears on the screen after what was already matched."""
-        deadline = time.monotonic() + timeout
-        while True:
-            plain = ANSI.sub(b"", self.seen)
-            idx = plain.find(text.encode())
-            if idx >= 0:
-                self.seen = plain[idx + len(text) :]
-                return plain[: idx + len(text)].decode("utf-8", "replace")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{text!r} not shown; screen: {plain.decode()[-2000:]}")
-            ready, _, _ = select.select([self.master], [], [], left)
-            if ready:
-                with contextlib.suppress(OSError):  # the program exited, closing the pty
-                    self.seen += os.read(self.master, 65536)
-
-    def type(self, keys: str) -> None:
-        os.write(self.master, keys.encode())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(10)
-        os.close(self.master)
+from tests.harness import Bastion, Terminal
 
 
 @pytest.fixture

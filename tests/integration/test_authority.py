@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import Agent, Bastion, policy_toml, wait_for
+from tests.harness import Agent, Bastion, policy_toml, python_copy, wait_for
 
 CONV = ("-o", "SetEnv=BASTION_CONVERSATION=conv-7")
 
@@ -241,14 +241,6 @@ def test_timeouts_tell_no_approver_from_an_unanswered_card(bastion: Bastion) -> 
     assert r.rc == 77 and r.code == "APPROVAL_TIMEOUT"
 
 
-def _python_copy(tmp_path: Path, name: str) -> Path:
-    """A runnable python with another sha256 (ELF ignores trailing bytes)."""
-    copy = tmp_path / name
-    copy.write_bytes(Path(sys.executable).resolve().read_bytes() + name.encode())
-    copy.chmod(0o755)
-    return copy
-
-
 def test_an_exec_into_another_binary_loses_the_approval(bastion: Bastion, tmp_path: Path) -> None:
     from tests.harness import HELPER
 
@@ -256,7 +248,7 @@ def test_an_exec_into_another_binary_loses_the_approval(bastion: Bastion, tmp_pa
     rid = agent.start("true")
     before = bastion.approve_next()["subject"]
     assert agent.wait(rid).rc == 0
-    other = _python_copy(tmp_path, "python-other")
+    other = python_copy(tmp_path, "python-other")
     agent.exec([str(other), str(HELPER)])
     rid = agent.start("true")
     card = bastion.next_card()
@@ -269,7 +261,7 @@ def test_an_exec_into_another_binary_loses_the_approval(bastion: Bastion, tmp_pa
 
 
 def test_a_deleted_executable_is_reported(bastion: Bastion, tmp_path: Path) -> None:
-    doomed = _python_copy(tmp_path, "python-doomed")
+    doomed = python_copy(tmp_path, "python-doomed")
     agent = Agent(bastion.config, python=str(doomed))
     bastion.agents.append(agent)
     doomed.unlink()
