@@ -135,7 +135,30 @@ def bench(root: Path, n: int) -> dict[str, Any]:
     }
     out["failed_attempts"] = {k: len(v) for k, v in fails.items()}
     out["failure_messages"] = sorted({m for v in fails.values() for m in v})
+    out["reader"] = reader_speed()
     return out
+
+
+def reader_speed(rounds: int = 20) -> dict[str, float]:
+    """The command reader (core/command.py) on the longest command the gate accepts:
+    microseconds per KiB, best of `rounds`, for a plain command and for shell source."""
+    from bastion.core.command import read_command
+    from bastion.core.defaults import MAX_COMMAND_BYTES
+
+    words = "systemctl status 'nginx service' --no-pager -n 20 "
+    plain = (words * (MAX_COMMAND_BYTES // len(words) + 1))[: MAX_COMMAND_BYTES - 1].rstrip()
+    source = plain[: len(plain) // 2] + "; " + plain[len(plain) // 2 :][:-2]
+    out = {}
+    for name, command in (("plain", plain), ("shell_source", source)):
+        best = min(_time_read(read_command, command) for _ in range(rounds))
+        out[f"{name}_us_per_KiB"] = best * 1e6 / (len(command.encode()) / 1024)
+    return out
+
+
+def _time_read(read: Any, command: str) -> float:
+    t0 = time.perf_counter()
+    read(command)
+    return time.perf_counter() - t0
 
 
 def report(r: dict[str, Any]) -> str:
@@ -170,6 +193,11 @@ def report(r: dict[str, Any]) -> str:
         f"failed attempts (retried, not timed): direct {f['direct']}, bastion {f['bastion']}"
     )
     lines += [f"  {m}" for m in r["failure_messages"]]
+    rd = r["reader"]
+    lines.append(
+        f"command reader on a 64 KiB command: plain {rd['plain_us_per_KiB']:.0f} us/KiB, "
+        f"shell source {rd['shell_source_us_per_KiB']:.0f} us/KiB"
+    )
     return "\n".join(lines)
 
 
