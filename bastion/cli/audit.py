@@ -17,6 +17,7 @@ import click
 
 from bastion import opsock
 from bastion.cli.common import emit, fail, home_of, read_passphrase
+from bastion.core.display import escape_text
 
 
 @click.group()
@@ -106,7 +107,8 @@ def _activity_line(a: dict[str, Any]) -> str:
     end = a["outcome"] + (f" {a['code']}" if a.get("code") else "")
     if a.get("exit_status") is not None:
         end += f" exit {a['exit_status']}"
-    return f"{a['request_id']}  {a['user']}@{a['host']}  {end:<28} {a['command']!r}"
+    line = f"{a['request_id']}  {a['user']}@{a['host']}  {end:<28} {a['command']!r}"
+    return escape_text(line)  # user, host and command came from an agent
 
 
 def _view_command(name: str, row: Callable[[dict[str, Any]], str], empty: str, doc: str) -> None:
@@ -131,7 +133,7 @@ def _view_command(name: str, row: Callable[[dict[str, Any]], str], empty: str, d
 
 def _session_row(r: dict[str, Any]) -> str:
     pid = (r["subject"] or {}).get("pid")
-    return (
+    return escape_text(
         f"{r['session_id']}  {r['user']}@{r['host']}  pid {pid}  ended: {r['end_reason'] or 'live'}"
     )
 

@@ -34,6 +34,7 @@ from bastion.cli.keys import key
 from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
 from bastion.core import defaults
+from bastion.core.display import escape_text
 from bastion.home import default_home
 
 
@@ -285,7 +286,7 @@ def decide(ctx: click.Context, card_id: str, answer: str) -> None:
 
 def _session_line(r: dict[str, Any]) -> str:
     s = r["subject"]
-    return f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}"
+    return escape_text(f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}")
 
 
 @main.command()
