@@ -1,13 +1,12 @@
 """The encrypted key store: the only place private keys exist at rest.
 
-One JSON file. The passphrase is stretched with scrypt; each private key is its own
-ChaCha20-Poly1305 record whose associated data binds the format tag, label and public
-metadata, so a record cannot be moved to another label or paired with another public key.
-Public metadata stays plaintext so `key list` / `key public` work while locked.
-
-The persisted `epoch` rises on every unlock and lock and never goes back: approvals are
-bound to it, so any change of vault state voids them. The daemon and an offline CLI may
-both write, so every write takes a flock on `<vault>.lock` and re-reads the file first.
+One JSON file. The passphrase is stretched with Argon2id (scrypt in old vaults); each private
+key is its own ChaCha20-Poly1305 record whose associated data binds the format tag, label and
+public metadata, so a record cannot be moved to another label or paired with another public
+key. Public metadata stays plaintext so `key list` / `key public` work while locked. The
+persisted `epoch` rises on every unlock and lock and never goes back: approvals are bound to
+it, so any change of vault state voids them. The daemon and an offline CLI may both write,
+so every write takes a flock on `<vault>.lock` and re-reads the file first.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncssh
+from argon2.exceptions import HashingError
+from argon2.low_level import Type, hash_secret_raw
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
@@ -36,8 +37,10 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 log = logging.getLogger(__name__)
 
 FORMAT = "bastion-vault-1"
-SCRYPT_N = 2**15  # new vaults only; a module constant so tests can make it cheap
-SCRYPT_R, SCRYPT_P = 8, 1
+# Argon2id (t passes, m KiB, p lanes). "strong", the default, took 0.78-0.83 s on 2 cores.
+# "test" is for test suites only (BASTION_KDF_PROFILE=test, read at each derivation).
+KDF_PROFILES = {"strong": (2, 512 * 1024, 2), "test": (1, 1024, 1)}
+KDF_FIELDS = {"scrypt": ("n", "r", "p"), "argon2id": ("t", "m", "p")}
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 GENERATE: dict[str, dict[str, int]] = {
     "ssh-ed25519": {},
@@ -48,8 +51,7 @@ IMPORTABLE = frozenset(GENERATE) | {"ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521"
 MIN_RSA_BITS = 2048
 MAX_KEY_FILE = 1 << 20
 _VERIFIER = b"bastion vault passphrase verifier"
-
-
+_PUBLIC = ("label", "algorithm", "public_key", "created_at")  # a record's plaintext fields
 RESERVED_PREFIX = "bastion-"  # labels bastion keeps for itself (the journal identity)
 
 
@@ -57,16 +59,13 @@ class VaultError(Exception):
     """A vault failure a person can act on; never carries secret bytes."""
 
 
-class WrongPassphrase(VaultError):
-    pass
+class WrongPassphrase(VaultError): ...
 
 
-class VaultLocked(VaultError):
-    pass
+class VaultLocked(VaultError): ...
 
 
-class KeyFilePassphraseNeeded(VaultError):
-    pass
+class KeyFilePassphraseNeeded(VaultError): ...
 
 
 @dataclass(frozen=True)
@@ -86,12 +85,41 @@ class _Record:
 
 
 @dataclass(frozen=True)
+class _Kdf:
+    name: str  # a key of KDF_FIELDS; scrypt is only ever read
+    params: tuple[int, ...]  # in KDF_FIELDS order: scrypt (n, r, p), argon2id (t, m KiB, p)
+    salt: bytes
+
+    @staticmethod
+    def default() -> _Kdf:  # a fresh salt, and the strong profile unless asked for "test"
+        test = os.environ.get("BASTION_KDF_PROFILE") == "test"
+        return _Kdf("argon2id", KDF_PROFILES["test" if test else "strong"], os.urandom(16))
+
+    def weaker_than(self, other: _Kdf) -> bool:  # another KDF, fewer passes or less memory
+        return self.name != other.name or any(map(int.__lt__, self.params[:2], other.params))
+
+    def verifier_ad(self) -> bytes:
+        name = [] if self.name == "scrypt" else [self.name]  # scrypt's shape predates the name
+        return json.dumps([FORMAT, "verifier", self.salt.hex(), *name, *self.params]).encode()
+
+    def derive(self, passphrase: bytes) -> bytearray:
+        """The 32-byte key, in a bytearray we can wipe (the libraries' own bytes are not)."""
+        if not isinstance(passphrase, bytes | bytearray):
+            raise TypeError("passphrase must be bytes")
+        a, b, p = self.params
+        if self.name == "scrypt":
+            return bytearray(Scrypt(salt=self.salt, length=32, n=a, r=b, p=p).derive(passphrase))
+        try:
+            return bytearray(hash_secret_raw(bytes(passphrase), self.salt, a, b, p, 32, Type.ID))
+        except HashingError as e:  # e.g. the memory could not be allocated; no secret in it
+            log.warning("argon2id with %d KiB failed: %s", b, e)
+            raise VaultError(f"cannot derive the vault key (argon2id, {b} KiB): {e}") from None
+
+
+@dataclass(frozen=True)
 class _Doc:
     epoch: int
-    salt: bytes
-    n: int
-    r: int
-    p: int
+    kdf: _Kdf
     verifier_nonce: bytes
     verifier: bytes
     records: tuple[_Record, ...]
@@ -133,22 +161,34 @@ def _record_ad(info: KeyInfo) -> bytes:
     ).encode()
 
 
-def _verifier_ad(salt: bytes, n: int, r: int, p: int) -> bytes:
-    return json.dumps([FORMAT, "verifier", salt.hex(), n, r, p]).encode()
-
-
-def _derive(passphrase: bytes, salt: bytes, n: int, r: int, p: int) -> bytearray:
-    if not isinstance(passphrase, bytes | bytearray):
-        raise TypeError("passphrase must be bytes")
-    return bytearray(Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(bytes(passphrase)))
+def _zero(*keys: bytearray | None) -> None:
+    for key in filter(None, keys):
+        key[:] = bytes(len(key))
 
 
 def _matches(key: bytearray, doc: _Doc) -> bool:
-    ad = _verifier_ad(doc.salt, doc.n, doc.r, doc.p)
+    ad = doc.kdf.verifier_ad()
     try:
         return ChaCha20Poly1305(key).decrypt(doc.verifier_nonce, doc.verifier, ad) == _VERIFIER
     except InvalidTag:
         return False
+
+
+def _rekey(doc: _Doc, old: bytearray, kdf: _Kdf, new: bytearray) -> _Doc | None:
+    """`doc` under `kdf` and its key `new`: a new verifier, each record re-sealed with its own
+    associated data and a fresh nonce; None if a record fails authentication (left as is)."""
+    old_aead, new_aead, records = ChaCha20Poly1305(old), ChaCha20Poly1305(new), []
+    for rec in doc.records:
+        nonce, ad = os.urandom(12), _record_ad(rec.info)
+        try:
+            plain = old_aead.decrypt(rec.nonce, rec.ciphertext, ad)
+        except InvalidTag:
+            log.warning("vault KDF not upgraded: record %r fails authentication", rec.info.label)
+            return None
+        records.append(_Record(rec.info, nonce, new_aead.encrypt(nonce, plain, ad)))
+    nonce = os.urandom(12)
+    verifier = new_aead.encrypt(nonce, _VERIFIER, kdf.verifier_ad())
+    return _Doc(doc.epoch, kdf, nonce, verifier, tuple(records))
 
 
 def _b64(data: bytes) -> str:
@@ -166,16 +206,17 @@ def _parse(path: Path, raw: bytes) -> _Doc:
         if obj.get("format") != FORMAT:
             raise ValueError("unknown format")
         kdf, ver, epoch = obj["kdf"], obj["verifier"], obj["epoch"]
-        n, r, p = kdf["n"], kdf["r"], kdf["p"]
-        ints = (epoch, n, r, p)
-        if kdf["name"] != "scrypt" or any(type(v) is not int for v in ints) or epoch < 0:
+        kdf = _Kdf(kdf["name"], tuple(kdf[f] for f in KDF_FIELDS[kdf["name"]]), _unb64(kdf["salt"]))
+        if any(type(v) is not int for v in (epoch, *kdf.params)) or epoch < 0:
             raise ValueError("bad header")
-        if n < 2 or n & (n - 1) or not 1 <= r <= 16 or n * r > 2**21 or not 1 <= p <= 4:
-            raise ValueError("kdf parameters out of range")  # a hostile file must not hang us
+        a, b, p = kdf.params  # bounds first: a hostile file must not hang us or eat memory
+        scrypt_ok = a > 1 and not a & (a - 1) and 0 < b <= 16 and a * b <= 2**21 and 0 < p <= 4
+        argon2_ok = 0 < a <= 20 and 0 < p <= 16 and 8 * p <= b <= 4 * 2**20  # 20 passes, 4 GiB
+        if not (scrypt_ok if kdf.name == "scrypt" else argon2_ok):
+            raise ValueError("kdf parameters out of range")
         records = []
         for item in obj["keys"]:
-            fields = ("label", "algorithm", "public_key", "created_at", "nonce", "ciphertext")
-            if not all(isinstance(item[f], str) for f in fields):
+            if not all(isinstance(item[f], str) for f in (*_PUBLIC, "nonce", "ciphertext")):
                 raise ValueError("bad record")
             _check_label(item["label"])
             info = _key_info(item["label"], item["public_key"], item["created_at"])
@@ -185,9 +226,8 @@ def _parse(path: Path, raw: bytes) -> _Doc:
             if len(rec.nonce) != 12 or any(o.info.label == info.label for o in records):
                 raise ValueError("bad record")
             records.append(rec)
-        salt, vnonce, vct = (_unb64(x) for x in (kdf["salt"], ver["nonce"], ver["ciphertext"]))
-        doc = _Doc(epoch, salt, n, r, p, vnonce, vct, tuple(records))
-        if len(doc.salt) != 16 or len(doc.verifier_nonce) != 12:
+        doc = _Doc(epoch, kdf, _unb64(ver["nonce"]), _unb64(ver["ciphertext"]), tuple(records))
+        if len(kdf.salt) != 16 or len(doc.verifier_nonce) != 12:
             raise ValueError("bad salt or nonce")
         return doc
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, VaultError) as e:
@@ -200,20 +240,16 @@ def _parse(path: Path, raw: bytes) -> _Doc:
 
 def _serialize(doc: _Doc) -> bytes:
     keys = [
-        {
-            "label": rec.info.label,
-            "algorithm": rec.info.algorithm,
-            "public_key": rec.info.public_key,
-            "created_at": rec.info.created_at,
-            "nonce": _b64(rec.nonce),
-            "ciphertext": _b64(rec.ciphertext),
-        }
+        {f: getattr(rec.info, f) for f in _PUBLIC}
+        | {"nonce": _b64(rec.nonce), "ciphertext": _b64(rec.ciphertext)}
         for rec in doc.records
     ]
+    kdf = doc.kdf
+    params = dict(zip(KDF_FIELDS[kdf.name], kdf.params, strict=True))
     obj = {
         "format": FORMAT,
         "epoch": doc.epoch,
-        "kdf": {"name": "scrypt", "n": doc.n, "r": doc.r, "p": doc.p, "salt": _b64(doc.salt)},
+        "kdf": {"name": kdf.name, **params, "salt": _b64(kdf.salt)},
         "verifier": {"nonce": _b64(doc.verifier_nonce), "ciphertext": _b64(doc.verifier)},
         "keys": keys,
     }
@@ -286,17 +322,14 @@ class Vault:
         path = Path(path)
         if not passphrase:
             raise VaultError("the vault passphrase must not be empty")
-        salt, nonce = os.urandom(16), os.urandom(12)
-        key = _derive(passphrase, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
-        verifier = ChaCha20Poly1305(key).encrypt(
-            nonce, _VERIFIER, _verifier_ad(salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
-        )
-        doc = _Doc(1, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P, nonce, verifier, ())
+        kdf, nonce = _Kdf.default(), os.urandom(12)
+        key = kdf.derive(passphrase)
+        verifier = ChaCha20Poly1305(key).encrypt(nonce, _VERIFIER, kdf.verifier_ad())
         with _flock(path):
             if path.exists():
                 raise VaultError(f"a vault already exists at {path}; refusing to overwrite it")
-            _write(path, doc)
-        vault = cls(path, doc.epoch)
+            _write(path, _Doc(1, kdf, nonce, verifier, ()))
+        vault = cls(path, 1)
         vault._key = key
         return vault
 
@@ -304,6 +337,9 @@ class Vault:
     def open(cls, path: Path) -> Vault:
         path = Path(path)
         return cls(path, _read(path).epoch)
+
+    def cached_keys(self) -> int:
+        return len(self._cache)
 
     @property
     def locked(self) -> bool:
@@ -327,8 +363,7 @@ class Vault:
         return new
 
     def _wipe(self) -> None:
-        if self._key is not None:
-            self._key[:] = bytes(len(self._key))
+        _zero(self._key)
         self._key = None
         self._cache.clear()
 
@@ -343,24 +378,36 @@ class Vault:
         return self._key
 
     def unlock(self, passphrase: bytes) -> int:
-        with self._mutex, _flock(self.path):
-            doc = self._load()
-            key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
-            if not _matches(key, doc):
-                key[:] = bytes(len(key))
-                raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
+        """Verify the passphrase, bump the epoch once and, in that same write, upgrade a KDF
+        weaker than the profile's. Derivations run outside the mutex and the flock."""
+        for _ in range(3):  # again if another process re-keys the vault meanwhile
+            doc, target, new_key = self._load(), _Kdf.default(), None
+            key = doc.kdf.derive(passphrase)
             try:
-                new = self._bump(doc)
-            except VaultError:
-                key[:] = bytes(len(key))
-                raise
-            self._wipe()
-            self._key = key
-            return new
+                if not _matches(key, doc):
+                    raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
+                if doc.kdf.weaker_than(target):
+                    with contextlib.suppress(VaultError):  # e.g. no memory: upgrade later
+                        new_key = target.derive(passphrase)
+                with self._mutex, _flock(self.path):
+                    if (cur := self._load()).kdf != doc.kdf or not _matches(key, cur):
+                        continue
+                    if new_key and (rekeyed := _rekey(cur, key, target, new_key)):
+                        cur, key, new_key = rekeyed, new_key, key
+                    new = self._bump(cur)  # the one write: new epoch (and KDF, if upgraded)
+                    self._wipe()
+                    self._key, key = key, None
+                    return new
+            finally:
+                _zero(key, new_key)
+        raise VaultError(f"the vault {self.path} kept changing during unlock; try again")
 
     def lock(self) -> int:
         """Always locks in memory; a failure to persist the epoch is logged, not raised,
-        because a caller's follow-up (withdrawing cards, ending sessions) must still run."""
+        because a caller's follow-up (withdrawing cards, ending sessions) must still run.
+        The derived key is zeroed in place and decrypted keys dropped: the handle keeps no
+        secret. Python cannot wipe the immutable copies made on the way (KDF output, decrypted
+        records, key objects, keys a caller holds): freed unwiped, they may linger in memory."""
         with self._mutex:
             if self._key is None:
                 return self._epoch
@@ -452,9 +499,7 @@ class Vault:
     def _open_record(self, key: bytearray, rec: _Record) -> asyncssh.SSHKey:
         """Decrypt one record and check it against its public line (InvalidTag if
         the AEAD fails)."""
-        plain = ChaCha20Poly1305(bytes(key)).decrypt(
-            rec.nonce, rec.ciphertext, _record_ad(rec.info)
-        )
+        plain = ChaCha20Poly1305(key).decrypt(rec.nonce, rec.ciphertext, _record_ad(rec.info))
         private = asyncssh.import_private_key(plain)
         if private.export_public_key("openssh").decode().strip() != rec.info.public_key:
             raise VaultError(
@@ -468,7 +513,7 @@ class Vault:
         gateway running): no epoch change, nothing kept unlocked."""
         doc = self._load()
         rec = self._record(doc, label)
-        key = _derive(passphrase, doc.salt, doc.n, doc.r, doc.p)
+        key = doc.kdf.derive(passphrase)
         try:
             if not _matches(key, doc):
                 raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
@@ -476,7 +521,7 @@ class Vault:
         except InvalidTag:
             raise VaultError(f"key {label!r} in the vault {self.path}: record tampered") from None
         finally:
-            key[:] = bytes(len(key))
+            _zero(key)
 
 
 def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSHKey:

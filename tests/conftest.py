@@ -9,6 +9,7 @@ Shared helpers live in `tests/harness.py`; tests never import each other.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,11 @@ from bastion.devtools.sshd_fixture import Sshd, SshdInfo, sshd_available
 from tests.harness import Bastion, make_bastion
 
 TIERS = ("unit", "integration", "container")
+
+# The vault's key derivation costs about 0.8 s and 512 MiB in production; the tests
+# create hundreds of vaults. Every subprocess (bastion init, unlock, the daemon)
+# inherits this: vault.py's cheap profile, documented as for tests only.
+os.environ["BASTION_KDF_PROFILE"] = "test"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
