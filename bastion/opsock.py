@@ -8,11 +8,16 @@ side, with its guard on who may speak for the operator, is
 from __future__ import annotations
 
 import json
+import re
 import socket
 from pathlib import Path
 from typing import Any
 
 MAX_LINE = 1 << 20
+MAX_DEPTH = 32  # arrays and objects inside each other, on either socket
+
+_TOKEN = re.compile(rb'[][{}"]')
+_REST_OF_STRING = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)
 
 
 class OperatorError(Exception):
@@ -21,6 +26,38 @@ class OperatorError(Exception):
 
 class GatewayNotRunning(OperatorError):
     pass
+
+
+def too_deep(data: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Does this JSON text nest more than `limit` arrays and objects? A cheap scan
+    before parsing: `json.loads` recurses once per level, and a line of `[`s would
+    exhaust the interpreter's stack. Brackets inside strings do not count."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    depth, pos = 0, 0
+    while (token := _TOKEN.search(data, pos)) is not None:
+        pos = token.end()
+        if token.group() == b'"':  # skip the string; an unterminated one ends the text
+            rest = _REST_OF_STRING.match(data, pos)
+            if rest is None:
+                return False
+            pos = rest.end()
+            continue
+        depth += 1 if token.group() in b"[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def loads_line(data: bytes, limit: int = MAX_DEPTH) -> Any:
+    """One JSON line of bounded depth (the caller bounds its length); `ValueError`
+    for anything else, with a reason a person can read."""
+    if too_deep(data, limit):
+        raise ValueError(f"JSON nested more than {limit} levels deep")
+    try:
+        return json.loads(data)
+    except RecursionError:  # the scan above makes this unreachable; kept as a backstop
+        raise ValueError("JSON nested too deeply") from None
 
 
 def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
@@ -45,7 +82,12 @@ def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
         line = f.readline(MAX_LINE)
     if not line:
         raise OperatorError("the gateway closed the connection without answering")
-    reply = json.loads(line)
+    try:
+        reply = loads_line(line)
+    except ValueError as exc:
+        raise OperatorError(f"the gateway answered something that is not JSON: {exc}") from None
+    if not isinstance(reply, dict):
+        raise OperatorError("the gateway answered something that is not a JSON object")
     if not reply.get("ok"):
         raise OperatorError(reply.get("error") or "the gateway refused the request")
     return reply.get("result")

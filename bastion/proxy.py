@@ -14,6 +14,7 @@ policy, never from the client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(sock_path)
-        sock.sendall(header)
+        # The gateway may refuse before reading (a per-uid cap): its ERR line still waits.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(header)
         reply = read_reply(sock)
     except FileNotFoundError:
         return fail(

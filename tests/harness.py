@@ -69,11 +69,17 @@ class Agent:
     """A separate, long-lived process that runs ssh commands on request."""
 
     def __init__(
-        self, config: Path, env: dict[str, str] | None = None, python: str = sys.executable
+        self,
+        config: Path,
+        env: dict[str, str] | None = None,
+        python: str = sys.executable,
+        launcher: tuple[str, ...] = (),
     ) -> None:
+        """`launcher` runs the helper under another program (e.g. `bastion run --`);
+        `pid` is then the launcher's."""
         self.config = config
         self.proc = subprocess.Popen(
-            [python, str(HELPER)],
+            [*launcher, python, str(HELPER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -147,6 +153,15 @@ class Agent:
         self.proc.stdin.write(json.dumps({"exec": argv}) + "\n")
         self.proc.stdin.flush()
         self._ready()
+
+    def rename(self, name: str) -> None:
+        """Set this agent's process name (what `ps` and /proc/PID/comm show)."""
+        rid = next(self._ids)
+        self._replies.setdefault(rid, queue.Queue())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": rid, "rename": name}) + "\n")
+        self.proc.stdin.flush()
+        self._replies[rid].get(timeout=30)
 
     def run(self, command: str | list[str], **kw: Any) -> Result:
         return self.wait(self.start(command, **kw))
@@ -223,7 +238,7 @@ class Bastion:
         os.replace(tmp, path)
         return path
 
-    def start_daemon(self, *extra: str) -> None:
+    def start_daemon(self, *extra: str, preexec_fn: Callable[[], None] | None = None) -> None:
         with open(self.log, "ab") as out:
             self.daemon = subprocess.Popen(
                 [
@@ -238,6 +253,7 @@ class Bastion:
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                preexec_fn=preexec_fn,
             )
         deadline = time.monotonic() + 20
         while True:
@@ -373,3 +389,32 @@ def python_copy(tmp_path: Path, name: str) -> Path:
     copy.write_bytes(Path(sys.executable).resolve().read_bytes() + name.encode())
     copy.chmod(0o755)
     return copy
+
+
+# -- resilience helpers (tests/integration/test_resilience.py, test_control_master.py) ----
+
+
+def start_daemon_limited(b: Bastion, nofile: int, *extra: str) -> None:
+    """`b.start_daemon(*extra)` with the daemon's descriptor limit set to `nofile`,
+    soft and hard alike (the daemon raises its soft limit to the hard one)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    b.start_daemon(*extra, preexec_fn=limit)
+
+
+def open_fds(pid: int) -> int:
+    """How many descriptors process `pid` has open now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def approved_agent(b: Bastion) -> Agent:
+    """A new agent whose session card for web1 has been approved (by one command)."""
+    agent = b.agent()
+    rid = agent.start("true")
+    b.approve_next()
+    result = agent.wait(rid)
+    assert result.rc == 0, result.stderr
+    return agent

@@ -9,16 +9,29 @@ from the socket peer, never from anything the client presents.
 Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
 forwarding. Shell and subsystem requests are answered with the agent-facing
 JSON error so that the agent learns what to do instead.
+
+One session channel per connection: a second one is what an ssh ControlMaster
+opens for another command, possibly from another process, and everything on
+the connection runs as the process that connected. It is answered with the
+agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
+nothing.
+
+The listener stays up: a failed accept (EMFILE, ENFILE, ...) is retried after
+a short pause, a failure inside one connection ends that connection only, and
+every connection is accounted for (`connection_opened` and `connection_closed`
+exactly once each). Each uid has at most `max_per_uid` connections open.
+`health()` says how it is going, for `bastion status`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
-import json
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +42,37 @@ from bastion.core.contract import Code, Failure
 from bastion.core.events import Outcome
 from bastion.core.gate import Request
 from bastion.core.subject import Peer
+from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
-from bastion.identity import IdentityError
+from bastion.identity import IdentityError, peer_credentials
+from bastion.opsock import loads_line
 from bastion.proxy import MAX_HEADER, PROTOCOL
 
 log = logging.getLogger("bastion.agent")
 
 HEADER_TIMEOUT = 5.0
+OVER_CAP_WAIT = 1.0  # seconds to wait for the header of a connection refused by the cap
 MAX_CONVERSATION = 256
 MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
+MAX_CONNECTIONS_PER_UID = 64
+MAX_EXTRA_SESSIONS = 8  # answered per connection; beyond, a channel is refused at open
+ACCEPT_RETRY = (0.05, 1.0)  # seconds: first and longest pause after a failed accept
+# accept errors that concern one connection only: retried at once
+_ONE_CONNECTION_LOST = {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN}
+
+# Raised by a connection's own code for a client's input, or by the system; logged
+# without a traceback. Anything else is a bug and is logged with one (once per kind).
+_EXPECTED = (ValueError, TimeoutError, IdentityError, OSError, asyncssh.Error)
+
+ONE_COMMAND = (
+    "bastion runs one command per ssh connection, and this connection already carried "
+    "one: this command came through an ssh ControlMaster (ControlMaster, ControlPath, "
+    "ControlPersist, -M or -S), which would run it as the process that opened the "
+    "connection. Nothing was sent. Run each command as its own ssh call: drop those "
+    "options, or add -o ControlMaster=no -o ControlPath=none (`ssh -O exit -o "
+    "ControlPath=PATH HOST` stops a master that is still running)."
+)
 
 
 class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
@@ -70,7 +104,10 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
             raise ValueError("header too long")
     if not data.startswith(PROTOCOL) or data.count(b"\n") != 1:
         raise ValueError("not a bastion proxy header (use `bastion proxy` as the ProxyCommand)")
-    fields = json.loads(data[len(PROTOCOL) :])
+    try:
+        fields = loads_line(data[len(PROTOCOL) :])
+    except ValueError as exc:
+        raise ValueError(f"malformed header: {exc}") from None
     if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
         raise ValueError("malformed header")
     if "register" in fields:
@@ -98,11 +135,16 @@ class AgentListener:
         host_key: asyncssh.SSHKey,
         identify: Callable[[socket.socket], Peer],
         register_run: Callable[[socket.socket, str], str],
+        *,
+        max_per_uid: int = MAX_CONNECTIONS_PER_UID,
     ) -> None:
         self.service = service
         self.sock = sock
         self.identify = identify
         self.register_run = register_run
+        self.max_per_uid = max_per_uid
+        self._per_uid: Counter[int] = Counter()
+        self._health = ListenerHealth("agent")
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[asyncssh.SSHServerConnection] = set()
         self._options = asyncssh.SSHServerConnectionOptions(
@@ -118,13 +160,36 @@ class AgentListener:
             config=None,
         )
 
+    def health(self) -> dict[str, Any]:
+        self._health.connections = len(self._tasks)
+        return self._health.as_json()
+
     async def serve(self) -> None:
+        """Accept until cancelled. A failed accept (EMFILE: out of descriptors,
+        ...) is counted and retried after a pause that doubles up to a second;
+        nothing that happens in one connection reaches this loop."""
         loop = asyncio.get_running_loop()
-        while True:
-            conn_sock, _ = await loop.sock_accept(self.sock)
-            task = asyncio.create_task(self._accept(conn_sock))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        pause = 0.0
+        self._health.serving = True
+        try:
+            while True:
+                try:
+                    conn_sock, _ = await loop.sock_accept(self.sock)
+                except Exception as exc:
+                    if self.sock.fileno() < 0:
+                        return  # closed by close()
+                    self._health.failed("accept", exc, trace=not isinstance(exc, OSError))
+                    if getattr(exc, "errno", None) not in _ONE_CONNECTION_LOST:
+                        # A retry delay: descriptors free up as connections end.
+                        pause = min(max(2 * pause, ACCEPT_RETRY[0]), ACCEPT_RETRY[1])
+                        await asyncio.sleep(pause)
+                    continue
+                pause = 0.0
+                task = asyncio.create_task(self._accept(conn_sock))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            self._health.serving = False
 
     async def close(self) -> None:
         self.sock.close()
@@ -134,68 +199,142 @@ class AgentListener:
             task.cancel()
 
     async def _accept(self, sock: socket.socket) -> None:
+        """One connection, from accept to close. Whatever happens, it ends here:
+        answered `ERR` before SSH, closed after, its descriptor released and, if it
+        was opened to the service, closed to it."""
+        loop = asyncio.get_running_loop()
+        uid: int | None = None
+        try:
+            _, uid, _ = peer_credentials(sock)
+            self._per_uid[uid] += 1
+            if self._per_uid[uid] > self.max_per_uid:
+                # Take the header first (briefly): the proxy reads no answer once a
+                # send has failed, and a socket closed unread makes its send fail.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(_read_header(loop, sock), OVER_CAP_WAIT)
+                await self._refuse(
+                    sock,
+                    TooManyConnections(
+                        f"too many connections from uid {uid} (limit {self.max_per_uid}); "
+                        "close idle ssh connections and retry"
+                    ),
+                )
+                return
+            await self._converse(sock)
+        except Exception as exc:
+            self._health.failed("connection", exc, trace=not isinstance(exc, _EXPECTED))
+        finally:
+            if uid is not None:
+                self._per_uid[uid] -= 1
+                if not self._per_uid[uid]:
+                    del self._per_uid[uid]
+            sock.close()
+
+    async def _converse(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         try:
             header = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
             if "register" in header:
                 run_id = await asyncio.to_thread(self.register_run, sock, header.get("label", ""))
                 await loop.sock_sendall(sock, f"OK {run_id}\n".encode())
-                sock.close()
                 return
             peer = await asyncio.to_thread(self.identify, sock)
-        except (ValueError, TimeoutError, IdentityError, OSError) as exc:
-            log.warning("agent connection refused: %s", exc)
-            with contextlib.suppress(OSError):
-                await loop.sock_sendall(sock, b"ERR " + str(exc).encode()[:500] + b"\n")
-            sock.close()
+        except TimeoutError:
+            await self._refuse(sock, TimeoutError(f"no header line within {HEADER_TIMEOUT:g}s"))
+            return
+        except (ValueError, IdentityError, OSError) as exc:
+            await self._refuse(sock, exc)
             return
         conn = AgentConn(peer=peer, host=header["host"], user=header["user"])
         self.service.connection_opened(conn)
+        closed = _once(lambda: self.service.connection_closed(conn))
         try:
             await loop.sock_sendall(sock, b"OK\n")
+            # From here asyncssh speaks; a protocol error it raises (PacketDecodeError,
+            # asyncssh.Error, ...) ends this connection in `_accept`.
             ssh_conn = await asyncssh.run_server(
-                sock, options=self._options, server_factory=lambda: _AgentSSH(self.service, conn)
+                sock,
+                options=self._options,
+                server_factory=lambda: _AgentSSH(self.service, conn, closed),
             )
-        except (OSError, asyncssh.Error) as exc:
-            log.warning("agent connection from pid %d failed before SSH: %s", peer.pid, exc)
-            self.service.connection_closed(conn)
-            sock.close()
-            return
-        self._conns.add(ssh_conn)
-        await ssh_conn.wait_closed()
-        self._conns.discard(ssh_conn)
+            self._conns.add(ssh_conn)
+            try:
+                await ssh_conn.wait_closed()
+            finally:
+                self._conns.discard(ssh_conn)
+        finally:
+            closed()
+
+    async def _refuse(self, sock: socket.socket, exc: Exception) -> None:
+        """The one-line answer to a connection refused before SSH started."""
+        self._health.refused(exc)
+        reason = " ".join(str(exc).split())[:500] or type(exc).__name__
+        with contextlib.suppress(OSError, TimeoutError):
+            loop = asyncio.get_running_loop()
+            await asyncio.wait_for(loop.sock_sendall(sock, f"ERR {reason}\n".encode()), 5)
+
+
+class TooManyConnections(Exception):
+    """A uid has `max_per_uid` agent connections open already."""
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, run by the first call only."""
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return call
 
 
 class _AgentSSH(asyncssh.SSHServer):
-    def __init__(self, service: Service, conn: AgentConn) -> None:
+    def __init__(self, service: Service, conn: AgentConn, closed: Callable[[], None]) -> None:
         self.service = service
         self.conn = conn
+        self.closed = closed  # closes `conn` to the service, once
         self.ssh_user = ""
+        self.sessions = 0
         self._ssh: asyncssh.SSHServerConnection | None = None
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self._ssh = conn
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.service.connection_closed(self.conn)
+        self.closed()
 
     def begin_auth(self, username: str) -> bool:
         self.ssh_user = username
         return False  # identity comes from the socket peer
 
     def session_requested(self) -> Any:
+        """The first session channel runs a command; a later one (a ControlMaster's
+        next command) is answered with `ONE_COMMAND` as the agent-facing JSON error
+        (`UNSUPPORTED_REQUEST`, exit 77) and runs nothing. Not a refused channel open:
+        OpenSSH's mux client prints only "Session open refused by peer" (the reason
+        goes to the master's stderr, /dev/null once it is in the background) and then
+        quietly connects anew. Past a few answers the channel is refused anyway."""
         assert self._ssh is not None
+        self.sessions += 1
+        if self.sessions > 1 + MAX_EXTRA_SESSIONS:
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, ONE_COMMAND)
         # A large receive limit lets an oversized command arrive whole, so the
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = _ExactCommandChannel
-        process = asyncssh.SSHServerProcess(self._exec, None, 3, False)
+        extra = self.sessions > 1
+        process = asyncssh.SSHServerProcess(
+            lambda p: self._exec(p, ONE_COMMAND if extra else None), None, 3, False
+        )
         return chan, process
 
-    async def _exec(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
+    async def _exec(self, process: asyncssh.SSHServerProcess[bytes], refusal: str | None) -> None:
         request_id = new_request_id()
         try:
-            await self._serve(process, request_id)
+            await self._serve(process, request_id, refusal)
         except Exception:
             log.exception("%s: internal error", request_id)
             _finish_failure(
@@ -208,7 +347,9 @@ class _AgentSSH(asyncssh.SSHServer):
                 ),
             )
 
-    async def _serve(self, process: asyncssh.SSHServerProcess[bytes], request_id: str) -> None:
+    async def _serve(
+        self, process: asyncssh.SSHServerProcess[bytes], request_id: str, refusal: str | None
+    ) -> None:
         conn = self.conn
         command: bytes | None = getattr(process.channel, "exact_command", None)
         env = process.env
@@ -231,8 +372,9 @@ class _AgentSSH(asyncssh.SSHServer):
             len(req.command),
             req.command_sha256[:16],
         )
-        refusal = None
-        if command is None:
+        if refusal is not None:
+            pass  # decided when the channel opened
+        elif command is None:
             what = "a subsystem" if process.subsystem else "an interactive shell"
             refusal = (
                 f"bastion does not open {what}; it runs one command per ssh call: "

@@ -6,12 +6,16 @@ requests in flight to `Service`, key operations and audit views to `ops`
 (the same functions the offline CLI runs). Negative controls -- status,
 lock, revoke, kill, pending -- never depend on the policy or on the vault
 being unlocked.
+
+Arguments come from a socket: each is checked for its type (and range) before
+use, and a wrong one is answered with an `OperatorError` that names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -26,11 +30,49 @@ from bastion.gateway.authority import Authority
 from bastion.gateway.opserver import Handler
 from bastion.gateway.service import Service
 from bastion.home import Home
+from bastion.isolation import status_guarantees
 from bastion.journal import IDENTITY_LABEL, Journal
 from bastion.opsock import OperatorError
 from bastion.vault import Vault, VaultError
 
 WATCH_PING = 10.0  # seconds between keep-alive events to a watching prompt
+MAX_WAIT = 600.0  # the longest `pending` wait, in seconds
+MAX_ARG = 1 << 20  # the longest string argument (the operator line's own limit)
+
+_MISSING = object()
+
+
+def text_arg(args: dict[str, Any], name: str) -> str:
+    """A required string argument."""
+    value = args.get(name)
+    if not isinstance(value, str) or len(value) > MAX_ARG:
+        raise OperatorError(f'"{name}" must be a string')
+    return value
+
+
+def flag_arg(args: dict[str, Any], name: str, default: bool | None = None) -> bool:
+    """A boolean argument (true/false, not 0/1 or "yes"); required unless defaulted."""
+    value = args.get(name, _MISSING)
+    if value is _MISSING and default is not None:
+        return default
+    if not isinstance(value, bool):
+        raise OperatorError(f'"{name}" must be true or false')
+    return value
+
+
+def number_arg(args: dict[str, Any], name: str, low: float, high: float) -> float:
+    """A number argument within [low, high]; absent (or null) means `low`."""
+    value = args.get(name)
+    if value is None:
+        return low
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise OperatorError(f'"{name}" must be a number from {low:g} to {high:g}')
+    return float(value)
 
 
 class Settings(Protocol):
@@ -55,6 +97,10 @@ class GatewayParts(Protocol):
     def settings(self) -> Settings: ...
 
     def isolation(self) -> str: ...
+
+    def listeners_health(self) -> dict[str, Any]: ...
+
+    def keys_held(self) -> dict[str, int]: ...
 
 
 class Control:
@@ -104,14 +150,20 @@ class Control:
                 "append_seconds": gw.journal.append_seconds,
             },
             "pending": len(self.book.pending()),
+            "agent_connections": len(self.service.connections),
             "sessions": len(self.book.sessions()),
             "pid": os.getpid(),
             "agent_socket": str(gw.settings.agent_socket),
+            "listeners": gw.listeners_health(),
+            "keys_held": gw.keys_held(),
+            "guarantees": await asyncio.to_thread(
+                status_guarantees, gw.home, gw.isolation(), os.getpid()
+            ),
         }
 
     async def unlock(self, args: dict[str, Any]) -> dict[str, Any]:
         try:
-            passphrase = base64.b64decode(str(args.get("passphrase", "")), validate=True)
+            passphrase = base64.b64decode(text_arg(args, "passphrase"), validate=True)
         except ValueError:
             raise OperatorError("malformed passphrase field") from None
         try:
@@ -121,15 +173,15 @@ class Control:
         return {"locked": False, "vault_epoch": self.gw.vault.epoch}
 
     async def lock(self, args: dict[str, Any]) -> dict[str, Any]:
-        ended = await self.authority.lock(bool(args.get("terminate")))
+        ended = await self.authority.lock(flag_arg(args, "terminate", False))
         return {"locked": True, "vault_epoch": self.gw.vault.epoch, "terminated": ended}
 
     # -- approvals ---------------------------------------------------------------------
 
     async def pending(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        wait = number_arg(args, "wait", 0.0, MAX_WAIT)
         book = self.book
         book.note_operator()
-        wait = min(float(args.get("wait") or 0), 600.0)
         deadline = time.monotonic() + wait
         while not book.pending() and (left := deadline - time.monotonic()) > 0:
             await book.wait_changed(left)
@@ -137,10 +189,10 @@ class Control:
         return [c.as_json() for c in book.pending()]
 
     async def answer(self, args: dict[str, Any]) -> dict[str, Any]:
+        card_id, approve = text_arg(args, "card"), flag_arg(args, "approve")
         self.book.note_operator()
-        approve = bool(args.get("approve"))
         try:
-            card = self.authority.answer(str(args.get("card", "")), approve)
+            card = self.authority.answer(card_id, approve)
         except CardError as exc:
             raise OperatorError(str(exc)) from None
         return {"card": card.id, "approved": approve}
@@ -159,7 +211,7 @@ class Control:
         ]
 
     async def revoke(self, args: dict[str, Any]) -> dict[str, Any]:
-        session = str(args.get("session", ""))
+        session = text_arg(args, "session")
         if not self.authority.revoke(session):
             raise OperatorError(f"no live session {session}")
         return {"revoked": session}
@@ -191,7 +243,7 @@ class Control:
     # -- requests and the journal --------------------------------------------------------
 
     async def kill(self, args: dict[str, Any]) -> dict[str, Any]:
-        rid = str(args.get("request", ""))
+        rid = text_arg(args, "request")
         if rid not in self.service.inflight:
             raise OperatorError(f"{rid} is not in flight (see `bastion request {rid}`)")
         self.service.recorder.record(EventType.OPERATOR_KILL, {"request_id": rid})
@@ -199,9 +251,10 @@ class Control:
         return {"killed": rid}
 
     async def audit(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        view = text_arg(args, "view")
         try:
             key = self.gw.vault.private_key(IDENTITY_LABEL).pyca_key
-            return ops.audit_view(str(args.get("view")), self.gw.home.journal, key)
+            return ops.audit_view(view, self.gw.home.journal, key)
         except (VaultError, ops.OpsError) as exc:
             raise OperatorError(str(exc)) from None
 
@@ -209,6 +262,11 @@ class Control:
 
     def _key_handler(self, name: str) -> Handler:
         async def handler(args: dict[str, Any]) -> Any:
+            if name != "key_list":
+                text_arg(args, "label")
+            for optional in ("algorithm", "private_key"):
+                if args.get(optional) is not None:
+                    text_arg(args, optional)
             try:
                 return ops.key_op(self.gw.vault, name, args)
             except (VaultError, ops.OpsError) as exc:
