@@ -66,6 +66,12 @@ class Home:
     def journal(self) -> Path:
         return self.root / "journal"
 
+    @property
+    def isolation(self) -> Path:
+        """Where `bastion isolate setup` records the agent user and its socket
+        directory; `bastion daemon` and `bastion run --isolated` read it."""
+        return self.root / "isolation.json"
+
     def exists(self) -> bool:
         return self.vault.exists()
 

@@ -13,7 +13,7 @@ import base64
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -30,12 +30,16 @@ from bastion.cli.common import (
     read_passphrase,
     save_to_keyring,
 )
+from bastion.cli.isolate import isolate
 from bastion.cli.keys import key
 from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
 from bastion.core import defaults
 from bastion.core.display import escape_text
-from bastion.home import default_home
+from bastion.home import Home, default_home
+
+if TYPE_CHECKING:
+    from bastion.isolation import Isolation
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,7 +57,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-for command in (key, audit, hostkey, ssh_config, proxy, run, check_command):
+for command in (key, audit, hostkey, ssh_config, proxy, run, check_command, isolate):
     main.add_command(command)
 
 
@@ -149,6 +153,20 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     help=f"Seconds between keepalives to targets ({defaults.KEEPALIVE_COUNT_MAX} missed = "
     "connection lost).",
 )
+@click.option(
+    "--wrapper",
+    "wrappers",
+    multiple=True,
+    metavar="NAME",
+    help="Another executable the subject walk passes over like a shell (repeatable).",
+)
+@click.option(
+    "--session-host",
+    "session_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Another executable the subject walk never climbs into, like tmux (repeatable).",
+)
 @click.pass_context
 def daemon(
     ctx: click.Context,
@@ -158,8 +176,14 @@ def daemon(
     approval_timeout: float,
     command_ttl: float,
     keepalive: float,
+    wrappers: tuple[str, ...],
+    session_hosts: tuple[str, ...],
 ) -> None:
-    """Run the gateway in the foreground. It starts locked."""
+    """Run the gateway in the foreground. It starts locked.
+
+    Without --agent-group and --agent-socket it uses HOME/isolation.json when
+    `bastion isolate setup` wrote one (strong isolation), else it runs in
+    advisory mode."""
     from bastion.gateway.lifetime import Settings, run_daemon
 
     home = home_of(ctx)
@@ -173,17 +197,63 @@ def daemon(
             gid = grp.getgrnam(agent_group).gr_gid
         except KeyError:
             fail(f"no group named {agent_group!r}")
+    elif agent_socket is None and (iso := _isolation_of(home)) is not None:
+        gid, agent_socket = iso.gid, iso.agent_socket
+        click.echo(
+            f"bastion: strong isolation ({home.isolation}): agents run as {iso.user} "
+            f"(uid {iso.uid}); group {iso.group} may reach {iso.agent_socket}",
+            err=True,
+        )
+    sock = (agent_socket or home.agent_socket).absolute()
+    if agent_group is not None:
+        click.echo(f"bastion: strong isolation: group {agent_group} may reach {sock}", err=True)
+    elif gid is None:
+        click.echo(
+            f"bastion: advisory isolation: agents run as this user (uid {os.getuid()}); for "
+            f"strong isolation: sudo bastion --home {home.root} isolate setup",
+            err=True,
+        )
     run_daemon(
         Settings(
             home=home,
             policies=(policies or home.policies).absolute(),
-            agent_socket=(agent_socket or home.agent_socket).absolute(),
+            agent_socket=sock,
             agent_group=gid,
             approval_timeout=approval_timeout,
             command_approval_ttl=command_ttl,
             keepalive_interval=keepalive,
+            wrappers=frozenset(wrappers),
+            session_hosts=frozenset(session_hosts),
         )
     )
+
+
+def _isolation_of(home: Home) -> Isolation | None:
+    """What `isolate setup` recorded, if it did, with its socket directory checked."""
+    import stat
+
+    from bastion import isolation
+
+    try:
+        iso = isolation.load(home)
+    except isolation.IsolationError as exc:
+        fail(str(exc))
+    if iso is None:
+        return None
+    again = f"run `sudo bastion --home {home.root} isolate setup` again"
+    try:
+        st = os.lstat(iso.socket_dir)
+    except OSError:
+        fail(f"{iso.socket_dir} is gone (/run is emptied at boot): {again}")
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_gid != iso.gid
+        or not os.access(iso.socket_dir, os.W_OK)
+    ):
+        fail(
+            f"{iso.socket_dir} is not the agents' directory (group {iso.group}, writable): {again}"
+        )
+    return iso
 
 
 @main.command()
@@ -222,19 +292,38 @@ def lock(ctx: click.Context, terminate: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Gateway state: vault, policy, isolation."""
+    """Gateway state: vault, policy, isolation and what it guarantees, the listeners."""
     s = op(ctx, "status")
+
+    def listener(h: dict[str, Any] | None) -> str:
+        if not h:
+            return "-"
+        state = "serving" if h.get("serving") else "NOT SERVING"
+        errors = h.get("accept_errors", 0) + h.get("connection_errors", 0)
+        last = f", last: {h['last_error']}" if h.get("last_error") else ""
+        return f"{state}, {h.get('connections', 0)} connection(s), {errors} error(s){last}"
 
     def human(s: dict[str, Any]) -> str:
         policy = "ok" if s["policy"]["ok"] else f"UNAVAILABLE: {s['policy']['error']}"
-        return (
-            f"vault:     {'locked' if s['locked'] else 'unlocked'} (epoch {s['vault_epoch']})\n"
-            f"policy:    {policy}\n"
-            f"hosts:     {', '.join(s['policy']['hosts']) or '-'}\n"
-            f"isolation: {s['isolation']}\n"
-            f"pending:   {s['pending']} card(s), sessions: {s['sessions']}\n"
-            f"boot:      {s['boot_id']}"
-        )
+        listeners = s.get("listeners") or {}
+        held = s.get("keys_held") or {}
+        lines = [
+            f"vault:     {'locked' if s['locked'] else 'unlocked'} (epoch {s['vault_epoch']}); "
+            f"keys held in memory: {held.get('vault_keys', '?')}, "
+            f"connections holding one: {held.get('connections', '?')}",
+            f"policy:    {policy}",
+            f"hosts:     {', '.join(s['policy']['hosts']) or '-'}",
+            f"isolation: {s['isolation']}",
+            *(
+                f"  {'ok      ' if held_ else 'NOT HELD'}  {text}"
+                for text, held_ in s.get("guarantees") or []
+            ),
+            f"agents:    {listener(listeners.get('agent'))}",
+            f"operator:  {listener(listeners.get('operator'))}",
+            f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
+            f"boot:      {s['boot_id']}",
+        ]
+        return "\n".join(escape_text(line) for line in lines)
 
     emit(s, as_json, human)
 

@@ -25,8 +25,10 @@ import json
 import os
 import re
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -533,6 +535,56 @@ def check_demo_help(w: World, r: Out) -> None:
     assert "Throwaway sshd" in ok(r).stdout
 
 
+ISO_USER = "bastion-test-iso"
+
+
+def isolate_setup(w: World) -> None:
+    """As root: strong isolation recorded for `bastion daemon`, and a running gateway
+    started without it told to restart. Cleaned up after, so later rows see advisory."""
+    if os.geteuid() != 0:
+        refused(w.cli("isolate", "setup"), "needs root", f"--home {w.b.home.root} isolate setup")
+        return
+    parent = Path(tempfile.mkdtemp(prefix="bastion-iso-matrix-"))
+    parent.chmod(0o755)  # the agent user must be able to pass through to the socket dir
+    door = parent / "door"
+    created = False
+    try:
+        r = ok(w.cli("isolate", "setup", "--user", ISO_USER, "--socket-dir", str(door)))
+        created = "(created now)" in r.stdout
+        assert "FAIL" not in r.stdout and f"recorded:    {w.b.home.isolation}\n" in r.stdout, r
+        assert json.loads(w.b.home.isolation.read_text())["agent_socket"] == f"{door}/agent.sock"
+        restart = f"restart `bastion daemon` to use {door}/agent.sock"
+        assert (restart in r.stdout) == (w.mode == ONLINE), r.stdout
+        check = w.cli("isolate", "check")
+        assert check.returncode == 1, check  # no gateway or no memory check: not everything holds
+        if w.mode == ONLINE:
+            assert "mode:      advisory\n" in check.stdout, check.stdout
+            assert "started without isolation.json: restart `bastion daemon`" in check.stdout
+        else:
+            assert "mode:      strong\n" in check.stdout, check.stdout
+            assert "(not checked: the gateway is not running)" in check.stdout
+    finally:
+        w.b.home.isolation.unlink(missing_ok=True)
+        shutil.rmtree(parent, ignore_errors=True)
+        if created:
+            subprocess.run(["userdel", ISO_USER], capture_output=True, timeout=60)
+
+
+def isolate_check(w: World) -> None:
+    """Without isolation.json: advisory, and what it does not stop, said plainly."""
+    r = w.cli("isolate", "check")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r
+    out = r.stdout
+    assert out.startswith("mode:      advisory\n"), out
+    assert ("the gateway is not running" in out) == (w.mode == OFFLINE), out
+    assert "NOT HELD  agents run as another uid than the gateway's" in out
+    assert "NOT HELD  a process of the operator's uid outside every `bastion run` tree" in out
+    assert "ok        a process inside a `bastion run` tree cannot answer for the operator" in out
+    doc = json.loads(w.cli("isolate", "check", "--json").stdout)  # exit 1, as above
+    assert doc["mode"] == "advisory" and doc["isolation"] is None
+    assert doc["gateway_running"] == (w.mode == ONLINE)
+
+
 # -- commands that need the gateway: online checks ------------------------------------------
 
 
@@ -758,6 +810,16 @@ ROWS: list[Row] = [
         ("proxy",),
         online=Case(("web1", "22", "{user}"), check_proxy_online, stdin=""),
         offline=Case(("web1", "22", "{user}"), check_proxy_offline),
+    ),
+    Row(
+        ("isolate", "setup"),
+        online=Case(drive=isolate_setup),
+        offline=Case(drive=isolate_setup),
+    ),
+    Row(
+        ("isolate", "check"),
+        online=Case(drive=isolate_check),
+        offline=Case(drive=isolate_check),
     ),
     Row(
         ("run",),

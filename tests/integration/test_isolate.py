@@ -1,0 +1,334 @@
+"""Strong isolation the easy way: `bastion isolate setup`, `bastion run --isolated`,
+`bastion isolate check`, with a real second uid, the real ssh client and sshd.
+
+The acceptance line: "`bastion isolate setup` then `bastion run --isolated --
+sh -c 'ssh … ; cat $BASTION_HOME/vault.json'`: the command runs after
+approval, the vault read fails, and `status` says `strong`." The isolated
+agent's environment has no BASTION_HOME (that is the point of the clean
+environment), so the test writes the vault's path into the command itself.
+
+Also here: `bastion run` is the subreaper of its tree -- a process detached
+with `setsid -f` stays below the run while it runs and is ended with it.
+
+The bastion lives under a fresh /tmp/bastion-iso-* directory (mode 0755), not
+under pytest's /tmp/pytest-of-root (0700): there the agent user could not
+reach the socket directory, and the home's own mode would protect nothing the
+checks could show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bastion import isolation
+from tests.harness import USER, Bastion, Terminal, make_bastion, policy_toml, wait_for
+
+ISO_USER = "bastion-test-iso"
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _remove_test_user() -> None:
+    with contextlib.suppress(KeyError):
+        pwd.getpwnam(ISO_USER)
+        subprocess.run(["userdel", ISO_USER], capture_output=True, timeout=60)
+    with contextlib.suppress(KeyError):
+        grp.getgrnam(ISO_USER)
+        subprocess.run(["groupdel", ISO_USER], capture_output=True, timeout=60)
+
+
+def _processes(*argv: str) -> list[int]:
+    """Pids whose command line is exactly argv (read from /proc)."""
+    want = ("\0".join(argv) + "\0").encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{entry}/cmdline").read_bytes() == want:
+                    found.append(int(entry))
+    return found
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _cli(b: Bastion, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bastion.cli", "--home", str(b.home.root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+@dataclass
+class Isolated:
+    b: Bastion
+    socket_dir: Path
+    first_setup: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def isolated(sshd_server: Any, client_key: tuple[Path, str]) -> Iterator[Isolated]:
+    """`isolate setup` for a fresh bastion, then its gateway (started as the
+    harness always does: no --agent-group), unlocked."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(SYSTEM_PYTHON):
+        pytest.skip("needs root, useradd and /usr/bin/python3 to run agents as another uid")
+    _remove_test_user()  # so that setup creates it
+    root = Path(tempfile.mkdtemp(prefix="bastion-iso-"))
+    root.chmod(0o755)
+    b = make_bastion(root, sshd_server.info, client_key[0], start=False)
+    socket_dir = root / "door"
+    try:
+        first = b.cli("isolate", "setup", "--user", ISO_USER, "--socket-dir", str(socket_dir))
+        b.start_daemon()
+        b.unlock()
+        yield Isolated(b, socket_dir, first)
+    finally:
+        b.close()
+        shutil.rmtree(root, ignore_errors=True)
+        _remove_test_user()
+
+
+def test_setup_creates_the_user_and_the_door_and_checks_them(isolated: Isolated) -> None:
+    b, door = isolated.b, isolated.socket_dir
+    out = isolated.first_setup.stdout
+    pw = pwd.getpwnam(ISO_USER)
+    group = grp.getgrgid(pw.pw_gid).gr_name
+    assert pw.pw_shell == "/usr/sbin/nologin" and pw.pw_uid not in (0, os.getuid())
+    assert f"agent user:  {ISO_USER} (uid {pw.pw_uid}), group {group}" in out
+    assert "(created now)" in out
+    for line in (
+        "ok    cannot list the home",
+        "ok    cannot read the vault",
+        "ok    cannot read or change the policies",
+        "ok    cannot read or change the journal",
+        "ok    cannot read the gateway's host key",
+        "ok    cannot connect to the operator socket",
+        "ok    can reach the socket directory, the proxy, the ssh config and /usr/bin/python3",
+        "ok    cannot change the socket directory, the proxy or the ssh config",
+    ):
+        assert line in out, out
+    assert "FAIL" not in out
+    record = json.loads(b.home.isolation.read_text())
+    assert record == {
+        "user": ISO_USER,
+        "uid": pw.pw_uid,
+        "group": group,
+        "gid": pw.pw_gid,
+        "operator_uid": os.getuid(),
+        "socket_dir": str(door),
+        "agent_socket": str(door / "agent.sock"),
+        "ssh_config": str(door / "ssh_config"),
+        "proxy": str(door / "proxy.py"),
+        "python": SYSTEM_PYTHON,
+    }
+    st = os.stat(door)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (os.getuid(), pw.pw_gid, 0o2750)
+    modes = {p.name: (p.stat().st_gid, p.stat().st_mode & 0o777) for p in door.iterdir()}
+    assert modes["proxy.py"] == (pw.pw_gid, 0o644)
+    assert modes["ssh_config"] == (pw.pw_gid, 0o640)
+    assert modes["agent.sock"] == (pw.pw_gid, 0o660)  # the gateway read isolation.json
+    config = (door / "ssh_config").read_text()
+    assert f"Host web1\n    User {USER}\n" in config
+    proxy = f"{SYSTEM_PYTHON} -I -S {door}/proxy.py --socket {door}/agent.sock %h %p %r"
+    assert f"    ProxyCommand {proxy}\n" in config
+    pinned = " ".join(b.home.known_hosts.read_text().split()[:3])
+    assert f"    KnownHostsCommand /bin/echo {pinned}\n" in config
+    assert "strong isolation" in b.log.read_text()
+
+    # Idempotent: again, the same record, nothing created.
+    again = b.cli("isolate", "setup", "--user", ISO_USER, "--socket-dir", str(door))
+    assert "(created now)" not in again.stdout and "FAIL" not in again.stdout
+    assert json.loads(b.home.isolation.read_text()) == record
+    assert modes == {p.name: (p.stat().st_gid, p.stat().st_mode & 0o777) for p in door.iterdir()}
+
+
+def test_an_isolated_agent_runs_after_approval_and_cannot_read_the_vault(
+    isolated: Isolated,
+) -> None:
+    b = isolated.b
+    pw = pwd.getpwnam(ISO_USER)
+    script = "; ".join(
+        [
+            'echo "env: $(env | cut -d= -f1 | sort | tr "\\n" " ")"',
+            'echo "home: $HOME cwd: $(pwd)"',
+            'echo "ids: $(id -u) $(id -G)"',
+            "ssh -F \"$BASTION_SSH_CONFIG\" web1 'echo via-isolated'",
+            'echo "ssh: $?"',
+            "setsid -f sleep 302.5 </dev/null >/dev/null 2>&1",
+            f"cat {shlex.quote(str(b.home.vault))}",
+            'echo "cat: $?"',
+        ]
+    )
+    run = _cli(b, "run", "--isolated", "--label", "iso", "--", "sh", "-c", script)
+    card = b.next_card()
+    assert card["subject"]["pid"] == run.pid and card["subject"]["run"] == "iso", card
+    b.answer(card, True)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 0, (out, err)
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert set(lines["env"].split()) - {"PWD"} == {
+        "BASTION_SSH_CONFIG",
+        "HOME",
+        "LANG",
+        "LC_ALL",
+        "LOGNAME",
+        "PATH",
+        "USER",
+    }, out
+    home, cwd = lines["home"].split(" cwd: ")
+    assert home == cwd and home.startswith("/tmp/bastion-") and not os.path.exists(home)
+    assert lines["ids"] == f"{pw.pw_uid} {pw.pw_gid}"
+    assert "via-isolated" in out.splitlines() and lines["ssh"] == "0", (out, err)
+    assert f"cat: {b.home.vault}: Permission denied" in err and lines["cat"] == "1", err
+    assert _processes("sleep", "302.5") == [], "a detached process outlived the run"
+    status = json.loads(b.cli("status", "--json").stdout)
+    assert status["isolation"] == "strong", status
+    check = b.cli("isolate", "check", "--json")
+    doc = json.loads(check.stdout)
+    assert doc["mode"] == "strong" and doc["checked"] == f"tried as {ISO_USER}"
+    assert [g for g in doc["guarantees"] if not g["held"]] == [], doc
+    assert doc["checks"]["gateway_memory"] is True and doc["checks"]["agent_socket"] is True
+    human = b.cli("isolate", "check").stdout
+    assert "NOT HELD" not in human
+    assert (
+        "ok        agents cannot read the gateway's memory, where the unlocked keys live" in human
+    )
+
+
+def test_file_modes_and_the_agent_user_agree(isolated: Isolated) -> None:
+    """What `status` can say without privileges is what the agent user finds."""
+    b = isolated.b
+    iso = isolation.load(b.home)
+    assert iso is not None
+    pid = b.op("status")["pid"]
+    tried = {c.key: c.ok for c in isolation.probe(b.home, iso, pid)}
+    assert tried == isolation.permission_checks(b.home, iso, pid)
+    assert all(tried.values()) and len(tried) == 10, tried
+    sentences = isolation.status_guarantees(b.home, "strong", pid)
+    assert all(held for _, held in sentences), sentences
+
+
+def test_run_isolated_refreshes_the_ssh_config_from_the_policy(isolated: Isolated) -> None:
+    b = isolated.b
+    two = policy_toml(b.sshd) + policy_toml(b.sshd, alias="web2")
+    b.write_policy(two)
+    try:
+        r = b.cli("run", "--isolated", "--", "true")
+        assert "Host web2\n" in (isolated.socket_dir / "ssh_config").read_text(), r.stderr
+    finally:
+        b.write_policy(policy_toml(b.sshd))
+
+
+def test_a_loosened_home_fails_the_checks_and_no_agent_starts(isolated: Isolated) -> None:
+    b = isolated.b
+    b.home.root.chmod(0o755)
+    b.home.vault.chmod(0o644)
+    try:
+        check = b.cli("isolate", "check", check=False)
+        assert check.returncode == 1
+        assert (
+            "NOT HELD  agents cannot read or copy the home: vault.json, the journal, "
+            "the gateway's host key" in check.stdout
+        ), check.stdout
+        run = b.cli("run", "--isolated", "--", "touch", "/tmp/bastion-iso-ran", check=False)
+        assert run.returncode == 1 and not os.path.exists("/tmp/bastion-iso-ran")
+        assert f"refusing to start the agent as {ISO_USER}: list {b.home.root}: ok" in run.stderr
+        setup = b.cli(
+            "isolate",
+            "setup",
+            "--user",
+            ISO_USER,
+            "--socket-dir",
+            str(isolated.socket_dir),
+            check=False,
+        )
+        assert setup.returncode == 1
+        assert f"FAIL  cannot list the home\n        list {b.home.root}: ok\n" in setup.stdout
+        assert f"fix: chmod 700 {b.home.root}\n" in setup.stdout
+        assert f"fix: chmod 600 {b.home.vault}; chmod 700 {b.home.root}\n" in setup.stdout
+        assert not b.home.isolation.exists(), "a failed setup left isolation.json behind"
+    finally:
+        b.home.root.chmod(0o700)
+        b.home.vault.chmod(0o600)
+        b.cli("isolate", "setup", "--user", ISO_USER, "--socket-dir", str(isolated.socket_dir))
+
+
+def test_the_isolated_agent_cannot_type_into_the_operators_terminal(isolated: Isolated) -> None:
+    """It gets the terminal as stdin but not as its controlling terminal: TIOCSTI
+    (pushing keystrokes the operator's shell would read after the run) is refused."""
+    b = isolated.b
+    term = Terminal(
+        [
+            sys.executable, "-m", "bastion.cli", "--home", str(b.home.root),
+            "run", "--isolated", "--",
+            SYSTEM_PYTHON, "-c",
+            "import fcntl, termios\n"
+            "try:\n fcntl.ioctl(0, termios.TIOCSTI, b'x'); print('pushed')\n"
+            "except OSError as e:\n print('refused', e.errno)",
+        ]
+    )  # fmt: skip
+    try:
+        term.expect("refused 1")  # EPERM
+        assert term.proc.wait(30) == 0
+    finally:
+        term.close()
+
+
+def test_run_keeps_detached_processes_in_its_tree_and_ends_them(bastion: Bastion) -> None:
+    """`setsid -f` below `bastion run`: adopted by the run while it lives, ended with it --
+    when the agent exits, and when the run is signalled."""
+    script = "setsid -f sleep 301.5 </dev/null >/dev/null 2>&1; echo started; read line; exit 0"
+    run = _cli(bastion, "run", "--label", "reaper", "--", "sh", "-c", script, stdin=subprocess.PIPE)
+    assert run.stdout is not None and run.stdin is not None
+    try:
+        assert run.stdout.readline() == "started\n"
+        wait_for(lambda: len(_processes("sleep", "301.5")) == 1)
+        (sleeper,) = _processes("sleep", "301.5")
+        wait_for(lambda: _ppid(sleeper) == run.pid)  # adopted by the run, not by pid 1
+        run.stdin.write("\n")
+        run.stdin.close()
+        assert run.wait(30) == 0
+        assert not os.path.exists(f"/proc/{sleeper}"), "the detached sleep outlived the run"
+    finally:
+        _finish(run)
+
+    script = "setsid -f sleep 303.5 </dev/null >/dev/null 2>&1; echo started; sleep 304.5"
+    run = _cli(bastion, "run", "--", "sh", "-c", script)
+    assert run.stdout is not None
+    try:
+        assert run.stdout.readline() == "started\n"
+        wait_for(lambda: _processes("sleep", "303.5") and _processes("sleep", "304.5"))
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(30) == 128 + signal.SIGTERM  # the child's status: killed by SIGTERM
+        assert _processes("sleep", "303.5") == [] and _processes("sleep", "304.5") == []
+    finally:
+        _finish(run)
