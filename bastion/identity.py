@@ -16,6 +16,7 @@ mis-attributed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -26,11 +27,24 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from bastion.core.subject import Peer, ProcessInfo, Subject
+from bastion.core.subject import Peer, ProcessInfo, Subject, SubjectKind
 
 DEFAULT_WRAPPERS = frozenset(
-    {"sh", "bash", "dash", "zsh", "fish", "env", "timeout", "nice", "nohup"}
+    {"sh", "bash", "dash", "zsh", "fish", "ksh", "mksh", "env", "timeout", "nice", "nohup"}
 )
+# Processes the walk never climbs into: what hosts terminal sessions for people (and
+# for many agents at once), so approving one would approve every session inside it.
+DEFAULT_SESSION_HOSTS = frozenset(
+    {
+        *("tmux", "screen", "zellij", "abduco", "dtach"),  # multiplexers
+        *("sshd", "login", "su", "sudo", "agetty", "systemd", "init"),  # logins and init
+        *("xterm", "gnome-terminal-server", "konsole", "alacritty", "kitty", "wezterm-gui"),
+        *("foot", "urxvt", "st", "terminator", "tilix", "xfce4-terminal", "mate-terminal"),
+        *("lxterminal", "qterminal", "ghostty"),  # terminal emulators
+    }
+)
+_SO_ACCEPTCON = 0x10000  # /proc/net/unix Flags: a listening socket
+_PRUNE_EVERY = 256  # identifications between sweeps of launch nonces of exited processes
 # Not yet in Python's socket module; value from <asm-generic/socket.h>.
 SO_PEERPIDFD = 77
 _MAX_CHAIN = 64
@@ -94,10 +108,16 @@ class Resolver:
     """Turns a socket peer into a Subject; owns the launch nonces of this
     gateway lifetime."""
 
-    def __init__(self, wrappers: frozenset[str] = DEFAULT_WRAPPERS) -> None:
+    def __init__(
+        self,
+        wrappers: frozenset[str] = DEFAULT_WRAPPERS,
+        session_hosts: frozenset[str] = DEFAULT_SESSION_HOSTS,
+    ) -> None:
         self.wrappers = wrappers
+        self.session_hosts = session_hosts
         self.hasher = ExeHasher()
         self._nonces: dict[tuple[int, float], str] = {}
+        self._identified = 0
         self.runs: dict[tuple[int, float], str] = {}  # registered runs: (pid, start) -> label
 
     def read_process(self, pid: int) -> ProcessInfo:
@@ -136,18 +156,33 @@ class Resolver:
         return out
 
     def _is_wrapper(self, info: ProcessInfo) -> bool:
-        return _basename(info) in self.wrappers or info.name in self.wrappers
+        """Judged by the executable the kernel resolved, never by the process name a
+        process can set itself; an executable we cannot read is not a wrapper."""
+        return bool(info.exe) and _exe_name(info) in self.wrappers
 
-    def subject_index(self, chain: list[ProcessInfo]) -> int:
-        """Where the subject stands in the chain: above `ssh`, past wrappers."""
-        start = 0
-        for i, info in enumerate(chain):
-            if _basename(info) == "ssh":
-                start = i + 1
-                break
+    def _is_session_host(self, info: ProcessInfo) -> bool:
+        return (
+            info.pid == 1
+            or info.pid == os.getpid()
+            or (bool(info.exe) and _exe_name(info) in self.session_hosts)
+        )
+
+    def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:
+        """Where the subject stands in the chain: above `ssh`, past shells and
+        wrappers, but never inside a session host (tmux, sshd, a terminal, init):
+        there the shell just below it is the subject."""
+        start = next((i + 1 for i, p in enumerate(chain) if p.exe and _exe_name(p) == "ssh"), 0)
         for i in range(start, len(chain)):
+            if self._is_session_host(chain[i]):
+                if i == start:
+                    raise IdentityError(
+                        f"ssh was started directly by {_exe_name(chain[i]) or 'pid 1'}, a "
+                        "session host: there is no agent process to approve; run ssh from "
+                        "the agent (or a shell) instead"
+                    )
+                return i - 1, SubjectKind.SESSION_SHELL
             if not self._is_wrapper(chain[i]):
-                return i
+                return i, SubjectKind.PROCESS
         raise IdentityError("no process above the ssh client could be identified")
 
     def nonce_for(self, pid: int, start_time: float) -> str:
@@ -173,8 +208,9 @@ class Resolver:
             if not full or full[0].uid != uid:
                 raise IdentityError("the peer process changed while being identified")
             idx = self.run_index(full)
+            kind = SubjectKind.RUN
             if idx is None:
-                idx = self.subject_index(full)
+                idx, kind = self.subject_index(full)
             chain = full[: idx + 1]
             # Re-read after the walk: a pid reused meanwhile shows a new start time.
             for info in chain:
@@ -199,8 +235,34 @@ class Resolver:
             uid=s.uid,
             nonce=self.nonce_for(s.pid, s.start_time),
             run=self.runs.get((s.pid, s.start_time)),
+            kind=kind,
         )
+        self._identified += 1
+        if self._identified % _PRUNE_EVERY == 0:
+            self.prune()
         return Peer(pid=pid, uid=uid, gid=gid, chain=tuple(chain), subject=subject)
+
+    def prune(self) -> int:
+        """Forget launch nonces and runs of processes that exited (not every exit is
+        watched: a process that connected but never asked leaves a nonce behind)."""
+        gone = [key for key in self._nonces if _start_time(key[0]) != key[1]]
+        for pid, start in gone:
+            self.forget(pid, start)
+        return len(gone)
+
+    def refresh(self, subject: Subject) -> Subject:
+        """The subject as it is now: same process, but the executable it runs now.
+        An exec after the connection was identified must not keep the approval."""
+        if _start_time(subject.pid) != subject.start_time:
+            return subject  # gone: the gate will say so (subject_alive)
+        try:
+            exe = os.readlink(f"/proc/{subject.pid}/exe")
+        except OSError:
+            exe = ""
+        digest = self.hasher.digest(subject.pid) if exe else None
+        if (exe, digest) == (subject.exe, subject.exe_sha256):
+            return subject
+        return dataclasses.replace(subject, exe=exe, exe_sha256=digest)
 
     def run_index(self, chain: list[ProcessInfo]) -> int | None:
         """The nearest registered run above the peer: its whole tree is one subject."""
@@ -225,10 +287,9 @@ class Resolver:
         return info
 
 
-def _basename(info: ProcessInfo) -> str:
-    if info.exe:
-        return os.path.basename(info.exe.removesuffix(" (deleted)"))
-    return info.name
+def _exe_name(info: ProcessInfo) -> str:
+    """The basename of the executable the kernel resolved ("" when unreadable)."""
+    return os.path.basename(info.exe.removesuffix(" (deleted)")) if info.exe else ""
 
 
 def _start_time(pid: int) -> float | None:
@@ -236,6 +297,44 @@ def _start_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
+
+
+def ssh_client_of(peer: Peer) -> ProcessInfo | None:
+    """The `ssh` process in the peer's chain (the proxy's parent), if there is one."""
+    return next((p for p in peer.chain if p.exe and _exe_name(p) == "ssh"), None)
+
+
+def serves_control_socket(pid: int) -> bool | None:
+    """Does this process listen on a unix socket -- an ssh ControlMaster's control
+    socket, through which other processes would ride its connection? None when
+    its descriptors cannot be read (another uid, and the gateway is not root)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    except OSError:
+        return None
+    if not inodes:
+        return False
+    with open("/proc/net/unix") as table:
+        next(table)  # Num RefCount Protocol Flags Type St Inode Path
+        for line in table:
+            fields = line.split()
+            listening = int(fields[3], 16) & _SO_ACCEPTCON
+            if len(fields) >= 7 and fields[6] in inodes and listening:
+                return True
+    return False
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of a process (none if it is gone)."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
 
 
 def alive(pid: int, start_time: float) -> bool:

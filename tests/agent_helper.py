@@ -9,12 +9,14 @@ Protocol: one JSON object per line on stdin -> one per line on stdout.
   -> {"id": N, "rc": int, "stdout": b64, "stderr": str, "stdout_sha256": str}
 Each request runs in its own thread, so one agent can have several ssh
 calls in flight at once. {"exec": [...]} replaces the process image (exec),
-keeping its pid and start time.
+keeping its pid and start time. {"id": N, "rename": NAME} sets the process
+name (comm) with prctl(PR_SET_NAME), as any process can for itself.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import json
 import os
@@ -64,6 +66,13 @@ def main() -> None:
         sys.stdout.flush()
     for line in sys.stdin:
         req = json.loads(line)
+        if "rename" in req:  # set our own process name (comm), as any process may
+            libc = ctypes.CDLL(None)
+            libc.prctl(15, req["rename"].encode(), 0, 0, 0)  # PR_SET_NAME
+            with _lock:
+                sys.stdout.write(json.dumps({"id": req["id"], "renamed": True}) + "\n")
+                sys.stdout.flush()
+            continue
         if "exec" in req:  # become another program: same pid, same start time (the
             # caller sends nothing more until the new image says it is ready)
             sys.stdout.flush()

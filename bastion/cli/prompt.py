@@ -97,6 +97,7 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         f"host key {_shown(card['host_key_fingerprint'])})",
         f"  key:      {_shown(card['credential'])}",
         f"  asked by: pid {s['pid']}  {_shown(s['exe'])}"
+        + (f"  ({_shown(s['kind'])})" if s.get("kind") else "")
         + (style.bad("  [executable deleted or replaced]") if s.get("exe_deleted") else ""),
         f"            uid {s['uid']}, started {_when(s['start_time'])}"
         + (f", run {_shown(s['run'])!r}" if s.get("run") else ""),

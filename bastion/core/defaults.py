@@ -12,3 +12,4 @@ KEEPALIVE_INTERVAL = 15.0  # seconds between keepalives to a target
 KEEPALIVE_COUNT_MAX = 3  # missed keepalives before the connection counts as lost
 MAX_COMMAND_BYTES = 64 * 1024  # the longest command a card can show a person
 MAX_ROUNDS = 4  # gate -> card -> gate ...: a request never loops for ever
+MAX_PENDING_CARDS_PER_UID = 32  # cards one uid may have waiting at once

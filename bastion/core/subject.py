@@ -8,6 +8,7 @@ book, the journal) sees only these immutable values.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # (pid, start time, launch nonce, exe sha256): one process running one executable.
@@ -40,6 +41,14 @@ class ProcessInfo:
         }
 
 
+class SubjectKind(enum.Enum):
+    """Why this process is the one approved: the card says it to the operator."""
+
+    RUN = "registered run"  # `bastion run`: its whole process tree is one subject
+    PROCESS = "agent process"  # the first program above ssh that is not a shell or wrapper
+    SESSION_SHELL = "shell of a terminal session"  # the walk stopped below a session host
+
+
 @dataclass(frozen=True)
 class Subject:
     """The process a person approves: identity of one live process in one
@@ -53,6 +62,7 @@ class Subject:
     uid: int
     nonce: str
     run: str | None = None  # label of the registered run this subject is, if any
+    kind: SubjectKind = SubjectKind.PROCESS
 
     @property
     def process_key(self) -> ProcessKey:
@@ -74,6 +84,7 @@ class Subject:
             "exe_deleted": self.exe.endswith(" (deleted)"),
             "uid": self.uid,
             "run": self.run,
+            "kind": self.kind.value,
         }
 
 

@@ -18,8 +18,12 @@ from bastion.core.events import EventType
 from bastion.core.gate import Answer, EndReason
 from bastion.core.subject import Subject
 from bastion.gateway.service import Service, VaultState
+from bastion.vault import WrongPassphrase
 
 log = logging.getLogger("bastion")
+
+UNLOCK_BACKOFF = 0.5  # seconds after the first wrong passphrase; doubles each time
+UNLOCK_MAX = 30.0
 
 
 class Authority:
@@ -33,6 +37,8 @@ class Authority:
         self.recorder = service.recorder
         self.outbound = service.outbound
         self.alive = service.alive
+        self._unlocking = asyncio.Lock()
+        self._failures = 0  # wrong passphrases in a row
 
     def subject_exited(self, subject: Subject) -> None:
         """End its grants and withdraw its cards: a new process is a new subject."""
@@ -70,7 +76,17 @@ class Authority:
         return bool(ended)
 
     async def unlock(self, passphrase: bytes) -> None:
-        await asyncio.to_thread(self.vault.unlock, passphrase)
+        """One attempt at a time; each wrong passphrase in a row costs the caller
+        twice the wait of the one before (0.5 s, 1 s, ... up to 30 s), on top of
+        the key derivation itself, so guessing through the socket stays slow."""
+        async with self._unlocking:
+            try:
+                await asyncio.to_thread(self.vault.unlock, passphrase)
+            except WrongPassphrase:
+                self._failures += 1
+                await asyncio.sleep(min(UNLOCK_BACKOFF * 2 ** (self._failures - 1), UNLOCK_MAX))
+                raise
+            self._failures = 0
         self._vault_changed(locked=False)
         self.certify()
 

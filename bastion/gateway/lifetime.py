@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
+import resource
 import secrets
 import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncssh
 
@@ -44,13 +47,23 @@ from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.service import PolicyWatch, Service
 from bastion.home import Home
-from bastion.identity import Resolver, alive
+from bastion.identity import (
+    DEFAULT_SESSION_HOSTS,
+    DEFAULT_WRAPPERS,
+    Resolver,
+    alive,
+    children,
+    serves_control_socket,
+    ssh_client_of,
+)
 from bastion.journal import IDENTITY_LABEL, Journal, JournalError, read_identity
 from bastion.ops import identity_pin
 from bastion.policy_files import PolicyStore
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError
 
 log = logging.getLogger("bastion")
+
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class Settings:
     command_approval_ttl: float = COMMAND_TTL
     keepalive_interval: float = KEEPALIVE_INTERVAL
     keepalive_count_max: int = KEEPALIVE_COUNT_MAX
+    wrappers: frozenset[str] = frozenset()  # added to identity.DEFAULT_WRAPPERS
+    session_hosts: frozenset[str] = frozenset()  # added to identity.DEFAULT_SESSION_HOSTS
 
 
 class Gateway:
@@ -71,7 +86,9 @@ class Gateway:
         self.home = settings.home
         self.boot_id = "boot_" + secrets.token_hex(12)
         self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
-        self.resolver = Resolver()
+        self.resolver = Resolver(
+            DEFAULT_WRAPPERS | settings.wrappers, DEFAULT_SESSION_HOSTS | settings.session_hosts
+        )
         self.journal = Journal(
             self.home.journal,
             read_identity(self.home.journal, identity_pin(self.vault)),
@@ -91,6 +108,8 @@ class Gateway:
             self.recorder,
             alive,
             watch=self.watch,
+            refresh=self.resolver.refresh,
+            rides_a_master=rides_a_master,
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
         )
@@ -98,7 +117,12 @@ class Gateway:
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[ProcessKey, int] = {}
+        # Every process that asked for a card in this lifetime: an operator request
+        # from below one of them is refused even after its card is gone.
+        self._asked: set[tuple[int, float]] = set()
         self._stop = asyncio.Event()
+        self._agent_listener: AgentListener | None = None
+        self._operator_server: opserver.OperatorServer | None = None
 
     def _credential(self, label: str) -> asyncssh.SSHKey:
         """A key for an outbound connection -- never one of bastion's own."""
@@ -115,6 +139,20 @@ class Gateway:
             self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
         except (VaultError, OSError, JournalError) as exc:
             log.error("could not certify this lifetime's journal: %s", exc)
+
+    def listeners_health(self) -> dict[str, Any]:
+        """The agent and operator sockets' health, for `bastion status`."""
+        agent, operator = self._agent_listener, self._operator_server
+        return {
+            "agent": agent.health() if agent is not None else None,
+            "operator": operator.health() if operator is not None else None,
+        }
+
+    def keys_held(self) -> dict[str, int]:
+        """What in this process still references key material: decrypted keys the
+        vault caches, and outbound connections (which hold the key they used).
+        Both are 0 once the vault is locked and commands in flight have ended."""
+        return {"vault_keys": self.vault.cached_keys(), "connections": self.dispatcher.held()}
 
     def isolation(self) -> str:
         strong = self.settings.agent_group is not None and not self.same_uid_agent_seen
@@ -160,13 +198,16 @@ class Gateway:
             *(c.subject for c in self.book.pending()),
             *(c.peer.subject for c in self.service.connections),
         ]
-        return {(s.pid, s.start_time) for s in subjects} | set(self.resolver.runs)
+        known = {(s.pid, s.start_time) for s in subjects} | set(self.resolver.runs)
+        return known | self._asked
 
     # -- process lifetimes -----------------------------------------------------------------
 
     def watch(self, subject: Subject) -> None:
         """End grants and withdraw cards the moment a subject exits (not only
-        when it next asks): a pidfd becomes readable at exit."""
+        when it next asks): a pidfd becomes readable at exit. Called for every
+        card, so it also remembers who ever asked (`agent_processes`)."""
+        self._asked.add((subject.pid, subject.start_time))
         if subject.process_key in self._watches:
             return
         try:
@@ -228,14 +269,14 @@ class Gateway:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stop)
         control = Control(self)
-        op_server = await opserver.serve(
+        op_server = self._operator_server = await opserver.serve(
             home.operator_socket,
             control.handlers(),
             {"watch": control.watch},
             os.getuid(),
             self.agent_processes,
         )
-        listener = AgentListener(
+        listener = self._agent_listener = AgentListener(
             self.service,
             self._agent_listen_socket(),
             self.host_key,
@@ -295,8 +336,42 @@ class Gateway:
         return sock
 
 
+def rides_a_master(peer: Peer) -> bool:
+    """Could other processes send commands through this agent connection? True when
+    the ssh client that opened it has gone to the background (`-f`, ControlPersist:
+    the pid that connected is gone) or it, or a child of it, listens on a unix
+    socket (a ControlMaster's control socket). An ssh process the gateway cannot
+    read (another uid, a gateway that is not root) is not known to be one."""
+    ssh = ssh_client_of(peer)
+    if ssh is None:
+        return False
+    if not alive(ssh.pid, ssh.start_time):
+        return True
+    return any(serves_control_socket(pid) is True for pid in (ssh.pid, *children(ssh.pid)))
+
+
+def harden_process() -> list[str]:
+    """What a same-uid process could otherwise do to the gateway, closed where Linux
+    lets a process close it: no core dumps, no ptrace attach, no /proc/PID/mem
+    (PR_SET_DUMPABLE 0, as ssh-agent does); and as many descriptors as the hard
+    limit allows, so a flood of connections meets the per-uid caps first."""
+    notes = []
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        notes.append(f"PR_SET_DUMPABLE failed: {os.strerror(ctypes.get_errno())}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            notes.append(f"could not raise the descriptor limit to {hard}: {exc}")
+    return notes
+
+
 def run_daemon(settings: Settings) -> None:
     logging.basicConfig(level=logging.INFO, format="bastion[%(process)d]: %(message)s")
+    for note in harden_process():
+        log.warning("%s", note)
     # asyncssh logs every exec'd command at INFO; commands may carry secrets.
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     asyncio.run(Gateway(settings).run())

@@ -186,6 +186,10 @@ class Dispatcher:
             self._pool[key] = (conn, conn.get_owner())  # type: ignore[assignment]
             return conn
 
+    def held(self) -> int:
+        """Connections that still hold the key they authenticated with."""
+        return len(self._pool) + len(self._retired)
+
     def close_all(self) -> None:
         """Drop every outbound connection (gateway stopping)."""
         for conn, _ in self._pool.values():

@@ -23,12 +23,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bastion.core.cards import Card, make_card
 from bastion.core.contract import Code, Failure
-from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_ROUNDS
+from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_PENDING_CARDS_PER_UID, MAX_ROUNDS
 from bastion.core.events import (
     CAUSE_KILLED,
     ActionKeys,
@@ -160,6 +160,16 @@ class NotDispatched(Exception):
         self.failure = failure
 
 
+CONTROL_MASTER = (
+    "This ssh connection can be shared: its ssh client is a ControlMaster, or went to the "
+    "background (-f, ControlPersist), so other processes could send commands through it "
+    "as this process. bastion approves processes: it runs one command per ssh connection, "
+    "from the process that opened it. Run ssh without ControlMaster, ControlPath, "
+    "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
+    "Nothing was sent."
+)
+
+
 def new_request_id() -> str:
     return "req_" + secrets.token_hex(8)
 
@@ -176,6 +186,8 @@ class Service:
         alive: Callable[[int, float], bool],
         *,
         watch: Callable[[Subject], None] = lambda s: None,
+        refresh: Callable[[Subject], Subject] = lambda s: s,
+        rides_a_master: Callable[[Peer], bool] = lambda p: False,
         schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
         clock: Callable[[], float] = time.time,
         approval_timeout: float = APPROVAL_TIMEOUT,
@@ -189,6 +201,8 @@ class Service:
         self.recorder = recorder
         self.alive = alive
         self.watch = watch
+        self.refresh = refresh
+        self.rides_a_master = rides_a_master
         self.schedule = schedule
         self.clock = clock
         self.approval_timeout = approval_timeout
@@ -241,8 +255,17 @@ class Service:
         ack_unknown: bool = False,
         refusal: str | None = None,
     ) -> Result | Failure:
-        """The whole life of one exec request; every ending is journaled."""
+        """The whole life of one exec request; every ending is journaled.
+
+        The subject is read again first: identified at connect, it may have exec'd
+        into another program since, and that program is not what was approved."""
+        fresh = self.refresh(conn.peer.subject)
+        if fresh != conn.peer.subject:
+            conn.peer = replace(conn.peer, subject=fresh)
+            req = replace(req, subject_key=fresh.key)
         self.recorder.received(conn.peer, req, conversation)
+        if refusal is None and self.rides_a_master(conn.peer):
+            refusal = CONTROL_MASTER
         if refusal is not None:
             return self._denied(
                 conn, req, Failure(Code.UNSUPPORTED_REQUEST, refusal, req.request_id)
@@ -277,6 +300,8 @@ class Service:
                 return Decided(verdict, command_card)
             if isinstance(verdict, Deny):
                 return verdict.failure(req.request_id, reason)
+            if (crowded := self._too_many_cards(conn.peer.subject.uid)) is not None:
+                return Failure(Code.UNSUPPORTED_REQUEST, crowded, req.request_id)
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
                 if (stale := world.session) is not None:  # recorded but stale: end it, say why
@@ -304,6 +329,17 @@ class Service:
             if card.kind is CardKind.COMMAND:
                 command_card = card.id
         return rounds_exhausted(req.request_id)
+
+    def _too_many_cards(self, uid: int) -> str | None:
+        """A per-uid cap on waiting cards: an agent cannot bury the operator."""
+        waiting = sum(1 for c in self.book.pending() if c.subject.uid == uid)
+        if waiting < MAX_PENDING_CARDS_PER_UID:
+            return None
+        return (
+            f"{waiting} approval cards from uid {uid} are already waiting for an operator "
+            f"(the limit is {MAX_PENDING_CARDS_PER_UID}). Nothing was sent; wait for those to be "
+            "answered, then send this request again."
+        )
 
     async def _ask(self, conn: AgentConn, card: Card) -> Answer:
         """Raise a card and wait for its answer, its withdrawal, or the timeout."""

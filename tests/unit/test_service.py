@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 
 from bastion.core.contract import Code, Failure
+from bastion.core.defaults import MAX_PENDING_CARDS_PER_UID
 from bastion.core.events import EventType, Outcome, Result, recover
 from bastion.core.gate import Request
 from bastion.core.policy import PolicyError
+from bastion.gateway import authority as authority_mod
 from bastion.gateway.approvals import CardError
 from bastion.gateway.service import AgentConn, new_request_id
+from bastion.vault import WrongPassphrase
 from tests.unit.fakes import (
     PASSPHRASE,
     FakeJournal,
@@ -347,3 +350,57 @@ async def test_a_refused_request_is_journaled_and_never_asks(rig: Rig) -> None:
     result = await rig.send(conn, refusal="no shells here")
     assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
     assert rig.life.book.pending() == [] and rig.outbound.calls == []
+
+
+async def test_a_uid_cannot_bury_the_operator_in_cards(rig: Rig) -> None:
+    waiting = [
+        rig.send(rig.life.connect(rig.tree.spawn())) for _ in range(MAX_PENDING_CARDS_PER_UID)
+    ]
+    await idle()
+    assert len(rig.life.book.pending()) == MAX_PENDING_CARDS_PER_UID
+    result = await rig.send(rig.life.connect(rig.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert f"the limit is {MAX_PENDING_CARDS_PER_UID}" in result.message
+    for task in waiting:
+        task.cancel()
+
+
+async def test_the_subject_is_read_again_at_each_request(rig: Rig) -> None:
+    agent = rig.tree.spawn()
+    conn = rig.life.connect(agent)
+    first = rig.send(conn)
+    await rig.approve()
+    assert isinstance(await first, Result)
+    agent.exe = "/usr/bin/other"  # exec'd after its connection was identified
+    rig.life.service.refresh = lambda subject: agent.subject()
+    waiting = rig.send(conn)  # the same, old connection
+    card = await rig.card()
+    assert card.reason is not None and card.reason.value == "process_changed"
+    assert card.subject.exe == "/usr/bin/other"
+    waiting.cancel()
+
+
+async def test_a_shared_ssh_connection_is_refused_before_any_card(rig: Rig) -> None:
+    rig.life.service.rides_a_master = lambda peer: True
+    result = await rig.send(rig.life.connect(rig.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert "ControlMaster" in result.message and rig.life.book.pending() == []
+
+
+async def test_wrong_passphrases_in_a_row_cost_ever_longer(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(authority_mod.asyncio, "sleep", record)
+    await rig.life.authority.lock(terminate=False)
+    for _ in range(3):
+        with pytest.raises(WrongPassphrase):
+            await rig.life.authority.unlock(b"wrong")
+    await rig.unlock()
+    with pytest.raises(WrongPassphrase):
+        await rig.life.authority.unlock(b"wrong")  # a success started the count again
+    assert waits == [0.5, 1.0, 2.0, 0.5]

@@ -1,0 +1,56 @@
+"""The subject walk over a process chain (no processes needed: chains are records)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bastion.core.subject import ProcessInfo, SubjectKind
+from bastion.identity import IdentityError, Resolver
+
+
+def proc(pid: int, exe: str, name: str | None = None) -> ProcessInfo:
+    base = exe.rsplit("/", 1)[-1] if exe else "?"
+    return ProcessInfo(pid, pid - 1, float(pid), 1000, exe, None, name or base, ())
+
+
+PROXY, SSH = proc(900, "/usr/bin/python3.11"), proc(800, "/usr/bin/ssh")
+BASH, TMUX = proc(700, "/usr/bin/bash"), proc(600, "/usr/bin/tmux")
+AGENT, INIT = proc(650, "/usr/bin/node"), proc(1, "/sbin/init")
+
+
+@pytest.mark.parametrize(
+    "chain,index,kind",
+    [
+        ([PROXY, SSH, AGENT, BASH, TMUX, INIT], 2, SubjectKind.PROCESS),
+        ([PROXY, SSH, BASH, AGENT, TMUX, INIT], 3, SubjectKind.PROCESS),
+        ([PROXY, SSH, BASH, TMUX, INIT], 2, SubjectKind.SESSION_SHELL),  # the pane's shell
+        ([PROXY, SSH, BASH, proc(500, "/usr/sbin/sshd"), INIT], 2, SubjectKind.SESSION_SHELL),
+        ([PROXY, SSH, BASH, proc(5, "/usr/bin/env"), INIT], 3, SubjectKind.SESSION_SHELL),
+        ([PROXY, SSH, proc(700, "/usr/bin/python3", name="bash"), INIT], 2, SubjectKind.PROCESS),
+        ([PROXY, SSH, proc(700, "", name="bash"), BASH, INIT], 2, SubjectKind.PROCESS),
+    ],
+    ids=[
+        "agent above ssh",
+        "agent above a shell",
+        "shell in tmux",
+        "shell in an ssh login",
+        "wrappers up to init",
+        "renamed bash is not a wrapper",
+        "an unreadable exe is not a wrapper",
+    ],
+)
+def test_the_subject_is_above_ssh_past_wrappers_and_below_session_hosts(
+    chain: list[ProcessInfo], index: int, kind: SubjectKind
+) -> None:
+    assert Resolver().subject_index(chain) == (index, kind)
+
+
+@pytest.mark.parametrize("host", [TMUX, INIT, proc(42, "/usr/bin/sudo")])
+def test_ssh_started_by_a_session_host_has_no_subject(host: ProcessInfo) -> None:
+    with pytest.raises(IdentityError, match="session host"):
+        Resolver().subject_index([PROXY, SSH, host, INIT])
+
+
+def test_the_lists_are_configurable() -> None:
+    resolver = Resolver(wrappers=frozenset({"node"}), session_hosts=frozenset({"bash"}))
+    assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
