@@ -63,6 +63,16 @@ class Home:
         return self.run / "lifetime.json"
 
     @property
+    def config(self) -> Path:
+        """The gateway's own settings (witness, export): see config.py."""
+        return self.root / "bastion.toml"
+
+    @property
+    def witness_spool(self) -> Path:
+        """Witness entries not yet delivered (a witness was down): sent in order later."""
+        return self.root / "witness-spool"
+
+    @property
     def journal(self) -> Path:
         return self.root / "journal"
 

@@ -199,10 +199,11 @@ def read_lines(directory: Path) -> Iterator[Line]:
             parts = parts[:-1]
         for i, raw in enumerate(parts):
             torn = si == len(segs) - 1 and i == len(parts) - 1 and not last_has_newline
-            yield Line(path, i + 1, raw, None if torn else _parse(raw), torn)
+            yield Line(path, i + 1, raw, None if torn else parse_record(raw), torn)
 
 
-def _parse(raw: bytes) -> Record | None:
+def parse_record(raw: bytes) -> Record | None:
+    """One segment line as a record: well-formed and canonical, or None."""
     try:
         d = json.loads(raw)
         r = Record(
@@ -314,7 +315,7 @@ class Journal:
         began = time.perf_counter()
         seq = self.seq + 1
         unsigned = Record(seq, self.boot, kind.value, meta, "", "", "")
-        event = {"t": time.time(), **event}
+        event = event if "t" in event else {"t": time.time(), **event}
         ct = _b64(self._aead.encrypt(_nonce(seq), _canonical(event), unsigned.header))
         unsigned = replace(unsigned, ct=ct)
         digest = chain_hash(self.head, seq, unsigned.body())
@@ -353,6 +354,23 @@ class Journal:
             self._fd = None
 
 
+def uncertified_boots(recs: Iterable[Record], identity: Identity) -> dict[str, list[int]]:
+    """Boots with records whose own key no certification by the journal identity
+    covers: boot -> [first seq, last seq, records]. What a new lifetime reports as
+    `foreign_records` at unlock (full checking is `verify`'s job)."""
+    spans: dict[str, list[int]] = {}
+    certified: set[str] = set()
+    for r in recs:
+        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
+        span[1], span[2] = r.seq, span[2] + 1
+        if r.type == EventType.CERTIFY.value:
+            with contextlib.suppress(KeyError, ValueError, InvalidSignature):
+                key, head = _unb64(r.meta["boot_key"]), bytes.fromhex(r.meta["head"])
+                identity.signing.verify(_unb64(r.meta["cert"]), _cert_message(r.boot, key, head))
+                certified.add(r.boot)
+    return {boot: span for boot, span in spans.items() if boot not in certified}
+
+
 def head(directory: Path) -> tuple[int, str]:
     """The last record's (seq, hash), as read from the records themselves."""
     last = None
@@ -370,6 +388,7 @@ class VerifyReport:
     records: int = 0
     problem: str | None = None  # the first bad record, named, and why
     notes: list[str] = field(default_factory=list)
+    uncertified: list[dict[str, Any]] = field(default_factory=list)  # boots never certified
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -377,6 +396,7 @@ class VerifyReport:
             "records": self.records,
             "problem": self.problem,
             "notes": self.notes,
+            "uncertified": self.uncertified,
         }
 
 
@@ -396,6 +416,8 @@ def verify(
         return v
 
     boot_keys: dict[str, Ed25519PublicKey] = {}
+    spans: dict[str, list[int]] = {}  # boot -> [first seq, last seq, records]
+    certified: set[str] = set()  # boots whose own key the journal identity certified
     prev, expected, certified_to = GENESIS, 1, 0
     found_head = expect_head is None
     last_line: Line | None = None
@@ -418,6 +440,8 @@ def verify(
         if digest.hex() != r.hash:
             return bad(line, "edited: its content or its place in the chain changed")
         if r.type == EventType.BOOT.value:
+            if r.boot in boot_keys:
+                return bad(line, f"edited: boot {r.boot} announced a key twice")
             try:
                 boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
             except (KeyError, ValueError):
@@ -444,6 +468,9 @@ def verify(
                     "journal identity (a rebuilt or re-signed chain)",
                 )
             certified_to = r.seq
+            certified.add(r.boot)
+        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
+        span[1], span[2] = r.seq, span[2] + 1
         if expect_head is not None and r.hash == expect_head:
             found_head = True
         prev, expected = digest, expected + 1
@@ -467,6 +494,25 @@ def verify(
             v.notes.append("head.json is unreadable")
     if not found_head:
         return bad(last_line, f"truncated: no record has the expected head hash {expect_head}")
+    # A certification vouches for the boot key that wrote it, never for another's
+    # records: a boot whose key was never certified stays uncertified for good.
+    v.uncertified = [
+        {"boot": boot, "first": a, "last": z, "records": n}
+        for boot, (a, z, n) in spans.items()
+        if boot not in certified
+    ]
+    for u in v.uncertified:
+        v.notes.append(
+            f"{u['records']} record(s), seq {u['first']}..{u['last']}, are signed by boot key "
+            f"{u['boot']}, which the journal identity never certified: written by a gateway "
+            "that was never unlocked, or by someone else (`audit verify --witness` tells)"
+        )
+    if strict and v.uncertified:
+        return bad(
+            last_line,
+            f"uncertified: seq {v.uncertified[0]['first']}..{v.uncertified[0]['last']} are "
+            f"signed by boot key {v.uncertified[0]['boot']}, never certified (--strict)",
+        )
     uncovered = v.records - certified_to
     if uncovered:
         v.notes.append(

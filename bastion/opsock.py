@@ -60,8 +60,9 @@ def loads_line(data: bytes, limit: int = MAX_DEPTH) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
-    """Send one request to a running gateway and return its result."""
+def connect(path: Path, timeout: float) -> socket.socket:
+    """A connection to the running gateway's operator socket, or GatewayNotRunning
+    saying which of the two usual reasons it is and what to do."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -76,6 +77,15 @@ def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
         raise GatewayNotRunning(
             f"the gateway is not running ({why}); start it with `bastion daemon`"
         ) from exc
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
+    """Send one request to a running gateway and return its result."""
+    sock = connect(path, timeout)
     with sock, sock.makefile("rwb") as f:
         f.write(json.dumps({"op": op, **args}).encode() + b"\n")
         f.flush()

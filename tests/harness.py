@@ -194,6 +194,25 @@ def policy_toml(
     return "\n".join(lines) + "\n"
 
 
+def cli_argv(home: Path, *args: str) -> list[str]:
+    """The bastion CLI on a home, as an operator types it."""
+    return [sys.executable, "-m", "bastion.cli", "--home", str(home), *args]
+
+
+def bastion_cli(
+    home: Path, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI on a home whatever its exit (no gateway object needed)."""
+    return subprocess.run(
+        cli_argv(home, *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )
+
+
 @dataclass
 class Bastion:
     """One bastion home and its gateway, driven as an operator would."""
@@ -215,7 +234,7 @@ class Bastion:
     ) -> subprocess.CompletedProcess[str]:
         data = stdin.encode() if isinstance(stdin, str) else stdin
         r = subprocess.run(
-            [sys.executable, "-m", "bastion.cli", "--home", str(self.home.root), *args],
+            cli_argv(self.home.root, *args),
             input=data,
             capture_output=True,
             timeout=timeout,
@@ -418,3 +437,18 @@ def approved_agent(b: Bastion) -> Agent:
     result = agent.wait(rid)
     assert result.rc == 0, result.stderr
     return agent
+
+
+# -- witness helpers (tests/integration/test_witness.py) ----------------------------------
+
+
+def write_bastion_toml(b: Bastion, text: str) -> None:
+    """The gateway's own settings (`$BASTION_HOME/bastion.toml`), read at its start."""
+    b.home.config.write_text(text)
+    os.chmod(b.home.config, 0o600)
+
+
+def witness_caught_up(b: Bastion, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until every witness has confirmed every entry; returns `status`'s witness."""
+    wait_for(lambda: b.op("status")["witness"]["waiting"] == 0, timeout)
+    return b.op("status")["witness"]

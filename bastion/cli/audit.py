@@ -17,12 +17,16 @@ import click
 
 from bastion import opsock
 from bastion.cli.common import emit, fail, home_of, read_passphrase
+from bastion.cli.export import export
 from bastion.core.display import escape_text
 
 
 @click.group()
 def audit() -> None:
     """The journal: verify it offline, or read its views."""
+
+
+audit.add_command(export)
 
 
 @audit.command("verify")
@@ -36,14 +40,34 @@ def audit() -> None:
 @click.option(
     "--expect-head", default=None, help="A head hash recorded earlier (catches truncation)."
 )
-@click.option("--strict", is_flag=True, help="Fail on records not yet certified.")
+@click.option(
+    "--witness",
+    "witness_files",
+    multiple=True,
+    type=click.Path(path_type=Path, exists=True),
+    help="A file a witness wrote: bastion.toml's witness file (or directory), or the file "
+    "a syslog collector writes. Fails unless the journal holds every head it saw, with the same "
+    "hash (catches truncation, rollback and rebuilt chains, head.json or not). Repeatable.",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Fail on records not yet certified, and on records signed by a boot key the "
+    "journal identity never certified.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def audit_verify(
-    ctx: click.Context, path: Path | None, expect_head: str | None, strict: bool, as_json: bool
+    ctx: click.Context,
+    path: Path | None,
+    expect_head: str | None,
+    witness_files: tuple[Path, ...],
+    strict: bool,
+    as_json: bool,
 ) -> None:
-    """Check order, chain, signatures and certifications. Needs neither the
-    passphrase nor the gateway. Exit 0 intact, 1 with the first bad record."""
+    """Check order, chain, signatures and certifications, and with --witness the
+    heads a witness saw. Needs neither the passphrase nor the gateway. Exit 0
+    intact, 1 with the first bad record or the first witnessed head missing."""
     from bastion import journal, ops
     from bastion.vault import Vault, VaultError
 
@@ -55,18 +79,40 @@ def audit_verify(
     except (journal.JournalError, VaultError) as exc:
         fail(str(exc))
     report = journal.verify(directory, identity, expect_head, strict)
+    doc = report.as_json()
+    ok = report.ok
+    if witness_files:
+        from bastion import witness
+
+        try:
+            heads = witness.read_entries(witness_files)
+        except OSError as exc:
+            fail(f"cannot read the witness: {exc}")
+        check = witness.check(directory, identity, heads)
+        doc["witness"] = {"files": [str(f) for f in witness_files], **check.as_json()}
+        ok = ok and check.ok
 
     def human(v: dict[str, Any]) -> str:
         head = "intact" if v["ok"] else f"BROKEN at {v['problem']}"
-        return "\n".join(
-            [
-                f"journal {directory}: {head} ({v['records']} record(s) checked)",
-                *(f"  note: {n}" for n in v["notes"]),
-            ]
-        )
+        lines = [
+            f"journal {directory}: {head} ({v['records']} record(s) checked)",
+            *(f"  note: {n}" for n in v["notes"]),
+        ]
+        w = v.get("witness")
+        if w is not None:
+            files = ", ".join(w["files"])
+            if w["ok"]:
+                lines.append(
+                    f"witness {files}: {w['heads']} witnessed head(s) held, "
+                    f"the last at seq {w['last']}"
+                )
+            else:
+                lines.append(f"witness {files}: BROKEN: {w['problem']}")
+            lines += [f"  note: {n}" for n in w["notes"]]
+        return "\n".join(lines)
 
-    emit(report.as_json(), as_json, human)
-    sys.exit(0 if report.ok else 1)
+    emit(doc, as_json, human)
+    sys.exit(0 if ok else 1)
 
 
 @audit.command("head")

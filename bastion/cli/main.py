@@ -36,6 +36,7 @@ from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
 from bastion.core import defaults
 from bastion.core.display import escape_text
+from bastion.core.events import foreign_warning
 from bastion.home import Home, default_home
 
 if TYPE_CHECKING:
@@ -288,6 +289,26 @@ def lock(ctx: click.Context, terminate: bool) -> None:
     )
 
 
+def witness_lines(w: dict[str, Any] | None) -> list[str]:
+    """How far behind the witness is, per target, and why (bastion.toml's [witness])."""
+    if w is None:
+        return ["witness:   none (no [witness] in bastion.toml)"]
+    age = f", oldest {w['oldest_age']:.0f} s old" if w.get("oldest_age") is not None else ""
+    state = "REFUSING NEW WORK" if w.get("refusing") else "FULL" if w.get("full") else "ok"
+    lines = [
+        f"witness:   {state}: {w['waiting']} entr{'y' if w['waiting'] == 1 else 'ies'} "
+        f"waiting{age} (buffer_max {w['buffer_max']}, when_full {w['when_full']})"
+    ]
+    for name, t in sorted((w.get("targets") or {}).items()):
+        trouble = f", FAILING: {t.get('last_error')}" if t.get("failing") else ""
+        lines.append(
+            f"  {name} {t['address']}: {t['waiting']} waiting, {t['delivered']} delivered{trouble}"
+        )
+    if w.get("spool_error"):
+        lines.append(f"  spool: {w['spool_error']}")
+    return lines
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -322,6 +343,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"operator:  {listener(listeners.get('operator'))}",
             f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
             f"boot:      {s['boot_id']}",
+            *witness_lines(s.get("witness")),
+            *(f"WARNING {foreign_warning(span)}" for span in s.get("foreign_records") or []),
         ]
         return "\n".join(escape_text(line) for line in lines)
 

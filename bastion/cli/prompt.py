@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core.display import escape_text
+from bastion.core.events import foreign_warning
 from bastion.opsock import OperatorError, call
 
 CLAIM_SHOWN = 200  # characters of the conversation ref a card shows
@@ -230,6 +231,8 @@ class Prompt:
                     "waiting for cards -- y approve, n deny, d details, q quit"
                 )
             )
+            for span in event.get("foreign_records") or []:
+                self.say(self.style.bad("  " + _shown(foreign_warning(span))))
         elif kind == "card":
             self.cards[event["card"]["id"]] = event["card"]
             self._show_next()

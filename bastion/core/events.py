@@ -64,6 +64,7 @@ class EventType(enum.Enum):
     TORN_TAIL = "torn_tail"  # a crash cut the last line short; it was set aside
     CERTIFY = "certify"  # the journal identity vouches for a boot key and a head
     GATEWAY_STOPPED = "gateway_stopped"
+    FOREIGN_RECORDS = "foreign_records"  # boots whose key was never certified: reported once
     # the gateway's state
     POLICY_LOADED = "policy_loaded"
     POLICY_FAILED = "policy_failed"
@@ -279,6 +280,42 @@ def request_state(
 # -- views (they need the decrypted events) --------------------------------------------------
 
 
+# Fields that carry command text (an agent's command can hold secrets): collectors get
+# them only when asked (`audit export --with-commands`); digests always go.
+_COMMAND_FIELDS = ("command", "argv", "cmdline")
+
+
+def without_commands(row: dict[str, Any]) -> dict[str, Any]:
+    """A row or event as collectors get it by default: command text replaced by None."""
+    out = {k: (None if k in _COMMAND_FIELDS else v) for k, v in row.items()}
+    card = out.get("card")
+    if isinstance(card, dict):
+        out["card"] = without_commands(card)
+    chain = out.get("chain")  # a card's process chain: the ssh process's cmdline holds the command
+    if isinstance(chain, list):
+        out["chain"] = [without_commands(p) if isinstance(p, dict) else p for p in chain]
+    return out
+
+
+def export_event(
+    entry: Entry, event: dict[str, Any], with_commands: bool = False
+) -> dict[str, Any]:
+    """One journal record as a log collector reads it: its place in the journal,
+    its type, its plaintext metadata and its decrypted fields -- never a key, a
+    passphrase or command output (none is ever journaled), and command text only
+    when asked."""
+    fields = {k: v for k, v in event.items() if k != "t"}
+    out = {
+        "seq": entry.seq,
+        "boot": entry.boot,
+        "type": entry.type,
+        "time": event.get("t"),
+        **entry.meta,
+        **fields,
+    }
+    return out if with_commands else without_commands(out)
+
+
 def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per request: what was asked, by whom, and how it ended."""
     rows: dict[str, dict[str, Any]] = {}
@@ -345,3 +382,13 @@ def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 if row["end_reason"] is None:
                     row.update(ended_at=e.get("t"), end_reason=EndReason.GATEWAY_RESTARTED.value)
     return list(rows.values())
+
+
+def foreign_warning(span: dict[str, Any]) -> str:
+    """What the operator must know of records no certification of theirs covers."""
+    return (
+        f"journal: {span.get('records')} record(s), seq {span.get('first')}..{span.get('last')}, "
+        f"are signed by boot key {span.get('boot')}, which this journal's identity never "
+        "certified: a gateway that was never unlocked wrote them, or someone else did. "
+        "Check with `bastion audit verify --witness`."
+    )

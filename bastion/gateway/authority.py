@@ -28,11 +28,16 @@ UNLOCK_MAX = 30.0
 
 class Authority:
     def __init__(
-        self, service: Service, vault: VaultState, certify: Callable[[], None] = lambda: None
+        self,
+        service: Service,
+        vault: VaultState,
+        certify: Callable[[], None] = lambda: None,
+        unlocked: Callable[[], None] = lambda: None,
     ) -> None:
         self.service = service
         self.vault = vault
         self.certify = certify
+        self.unlocked = unlocked  # what the lifetime does once the identity is at hand
         self.book = service.book
         self.recorder = service.recorder
         self.outbound = service.outbound
@@ -89,6 +94,7 @@ class Authority:
             self._failures = 0
         self._vault_changed(locked=False)
         self.certify()
+        self.unlocked()
 
     async def lock(self, terminate: bool) -> list[str]:
         """Lock at once: every approval ends, every card is withdrawn, nothing is

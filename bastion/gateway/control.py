@@ -28,12 +28,14 @@ from bastion.core.policy import PolicyError
 from bastion.gateway.approvals import ApprovalBook, CardError
 from bastion.gateway.authority import Authority
 from bastion.gateway.opserver import Handler
+from bastion.gateway.recorder import ForeignRecords
 from bastion.gateway.service import Service
 from bastion.home import Home
 from bastion.isolation import status_guarantees
 from bastion.journal import IDENTITY_LABEL, Journal
 from bastion.opsock import OperatorError
 from bastion.vault import Vault, VaultError
+from bastion.witness import Witness
 
 WATCH_PING = 10.0  # seconds between keep-alive events to a watching prompt
 MAX_WAIT = 600.0  # the longest `pending` wait, in seconds
@@ -92,6 +94,8 @@ class GatewayParts(Protocol):
     book: ApprovalBook
     service: Service
     authority: Authority
+    witness: Witness | None
+    foreign: ForeignRecords
 
     @property
     def settings(self) -> Settings: ...
@@ -156,6 +160,10 @@ class Control:
             "agent_socket": str(gw.settings.agent_socket),
             "listeners": gw.listeners_health(),
             "keys_held": gw.keys_held(),
+            # How far behind the witness is (None: bastion.toml asks for none).
+            "witness": gw.witness.health() if gw.witness is not None else None,
+            # Records no certification of this identity covers, found at the last unlock.
+            "foreign_records": gw.foreign.reported,
             "guarantees": await asyncio.to_thread(
                 status_guarantees, gw.home, gw.isolation(), os.getpid()
             ),
@@ -229,6 +237,7 @@ class Control:
                 "boot_id": gw.boot_id,
                 "locked": gw.vault.locked,
                 "vault_epoch": gw.vault.epoch,
+                "foreign_records": gw.foreign.reported,
             }
             for card in self.book.pending():
                 yield {"event": "card", "card": card.as_json()}

@@ -7,7 +7,8 @@ wires them: the request path (`service.py`), the operator's state changes
 (`authority.py`), the agent listener (`agent_ssh.py`) and the operator
 socket (`control.py`). It owns what touches the operating system around
 them: pidfds that say when an approved process exits, `lifetime.json` for
-the next lifetime's cards, journal certification, and the two sockets.
+the next lifetime's cards, journal certification, the two sockets, and the
+witness bastion.toml asks for (`witness.py`; a bad bastion.toml stops the start).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import asyncssh
 
 from bastion import opsock
+from bastion.config import Config, ConfigError, load_config
 from bastion.core.defaults import (
     APPROVAL_TIMEOUT,
     COMMAND_TTL,
@@ -43,8 +45,9 @@ from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
 from bastion.gateway.control import Control
+from bastion.gateway.export import export_stream
 from bastion.gateway.outbound import Dispatcher
-from bastion.gateway.recorder import Recorder
+from bastion.gateway.recorder import ForeignRecords, Recorder
 from bastion.gateway.service import PolicyWatch, Service
 from bastion.home import Home
 from bastion.identity import (
@@ -56,10 +59,16 @@ from bastion.identity import (
     serves_control_socket,
     ssh_client_of,
 )
-from bastion.journal import IDENTITY_LABEL, Journal, JournalError, read_identity
+from bastion.journal import (
+    IDENTITY_LABEL,
+    Journal,
+    JournalError,
+    read_identity,
+)
 from bastion.ops import identity_pin
 from bastion.policy_files import PolicyStore
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError
+from bastion.witness import Witness, journal_id
 
 log = logging.getLogger("bastion")
 
@@ -80,21 +89,39 @@ class Settings:
     session_hosts: frozenset[str] = frozenset()  # added to identity.DEFAULT_SESSION_HOSTS
 
 
+def gateway_config(home: Home) -> Config:
+    """bastion.toml, or no start: the gateway must not run without the witness the
+    operator asked for, nor guess what a typo meant."""
+    try:
+        return load_config(home.config)
+    except ConfigError as exc:
+        raise SystemExit(f"bastion: {exc}; the gateway does not start") from None
+
+
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.home = settings.home
+        self.config = gateway_config(self.home)
         self.boot_id = "boot_" + secrets.token_hex(12)
         self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
         self.resolver = Resolver(
             DEFAULT_WRAPPERS | settings.wrappers, DEFAULT_SESSION_HOSTS | settings.session_hosts
         )
-        self.journal = Journal(
-            self.home.journal,
-            read_identity(self.home.journal, identity_pin(self.vault)),
-            self.boot_id,
-        )
+        identity = read_identity(self.home.journal, identity_pin(self.vault))
+        self.journal = Journal(self.home.journal, identity, self.boot_id)
         self.recorder = Recorder(self.journal)
+        # Told of every record once it is on disk (certifications included); sends the
+        # heads and the requests' summaries off the box without blocking anything.
+        self.witness: Witness | None = None
+        if self.config.witness.enabled:
+            self.witness = Witness(
+                self.config.witness,
+                self.home.witness_spool,
+                journal_id(identity),
+                self.config.export_with_commands,
+            )
+            self.recorder.sinks.append(self.witness.sink)
         self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
         self.dispatcher = Dispatcher(
             self._credential, settings.keepalive_interval, settings.keepalive_count_max
@@ -110,10 +137,12 @@ class Gateway:
             watch=self.watch,
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
+            refusing=self.witness.refusing if self.witness is not None else lambda: None,
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
         )
-        self.authority = Authority(self.service, self.vault, self.certify)
+        self.foreign = ForeignRecords(self.recorder)
+        self.authority = Authority(self.service, self.vault, self.certify, self.foreign.report)
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[ProcessKey, int] = {}
@@ -136,7 +165,8 @@ class Gateway:
         if self.vault.locked:
             return
         try:
-            self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
+            record = self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
+            self.recorder.note(record, {})
         except (VaultError, OSError, JournalError) as exc:
             log.error("could not certify this lifetime's journal: %s", exc)
 
@@ -265,14 +295,17 @@ class Gateway:
         with contextlib.suppress(opsock.OperatorError):
             opsock.call(home.operator_socket, "status", timeout=2)
             raise SystemExit(f"bastion: a gateway is already running for {home.root}")
-        self.service.recover(recover(self.journal.open()))
+        self._start_witness()
+        found = self.journal.open()
+        self.service.recover(recover(found))
+        self.foreign.found(found, self.journal.identity)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stop)
         control = Control(self)
         op_server = self._operator_server = await opserver.serve(
             home.operator_socket,
             control.handlers(),
-            {"watch": control.watch},
+            {"watch": control.watch, "export": lambda args: export_stream(self, args)},
             os.getuid(),
             self.agent_processes,
         )
@@ -310,10 +343,33 @@ class Gateway:
             self.certify()
             self.vault.lock()
             self.journal.close()
+            if self.witness is not None:
+                self.witness.close()  # a bounded wait; what is left stays in the spool
             for path in (home.operator_socket, self.settings.agent_socket):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             log.info("gateway stopped")
+
+    def _start_witness(self) -> None:
+        """Open the witness spool (entries an earlier lifetime left go first) and start
+        sending, before recovery writes anything."""
+        if self.witness is None:
+            return
+        try:
+            self.witness.start()
+        except OSError as exc:
+            raise SystemExit(
+                f"bastion: cannot open the witness spool {self.home.witness_spool}: {exc}; "
+                "the gateway does not start"
+            ) from None
+        w = self.config.witness
+        log.info(
+            "witness: %s; heads after %s; buffer_max %d, when_full %s",
+            ", ".join(c.target.address for c in self.witness.couriers),
+            "each request" if w.every is None else f"every {w.every} records",
+            w.buffer_max,
+            w.when_full,
+        )
 
     def _agent_listen_socket(self) -> socket.socket:
         path = self.settings.agent_socket

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from bastion.core.cards import Card
 from bastion.core.contract import Failure
-from bastion.core.events import EventType, Result
+from bastion.core.events import EventType, Result, foreign_warning
 from bastion.core.gate import Answer, EndReason, Request, SessionGrant
 from bastion.core.subject import Peer, Subject
-from bastion.journal import JournalError
+from bastion.journal import Identity, JournalError, Record, uncertified_boots
 
 log = logging.getLogger("bastion")
 
@@ -27,13 +29,19 @@ log = logging.getLogger("bastion")
 class JournalWriter(Protocol):
     """The part of `journal.Journal` the gateway writes through."""
 
-    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> object: ...
+    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> Any: ...
+
+
+# Told of every record once it is on disk, with its plaintext event: the witness and
+# the collectors' stream. A sink must not block (it queues and returns).
+Sink = Callable[[Any, dict[str, Any]], None]
 
 
 class Recorder:
     def __init__(self, journal: JournalWriter) -> None:
         self.journal = journal
         self.watchers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.sinks: list[Sink] = []
 
     def record(
         self, kind: EventType, meta: dict[str, Any], event: dict[str, Any] | None = None
@@ -41,17 +49,29 @@ class Recorder:
         """Journal an event, on disk when this returns. A failure is logged
         loudly; only the intent before a dispatch (see `intent`) is fatal."""
         try:
-            self.journal.append(kind, meta, event or {})
+            self._append(kind, meta, event or {})
         except (OSError, JournalError) as exc:
             log.error("could not journal %s: %s", kind.value, exc)
 
     def intent(self, request_id: str, session_id: str) -> None:
         """The durable intent: raises if it could not be written."""
-        self.journal.append(
-            EventType.DISPATCH_STARTED,
-            {"request_id": request_id, "session_id": session_id},
-            {},
+        self._append(
+            EventType.DISPATCH_STARTED, {"request_id": request_id, "session_id": session_id}, {}
         )
+
+    def _append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> None:
+        stamped = {"t": time.time(), **event}
+        self.note(self.journal.append(kind, meta, stamped), stamped)
+
+    def note(self, record: Any, event: dict[str, Any]) -> None:
+        """A record is on disk (written here, or by the journal itself: boot,
+        certify): tell every sink. A sink's failure never costs the journal or
+        the dispatch that asked for the record."""
+        for sink in self.sinks:
+            try:
+                sink(record, event)
+            except Exception:
+                log.exception("an audit sink failed on seq %s", getattr(record, "seq", "?"))
 
     # -- what operators watching see -------------------------------------------------
 
@@ -131,3 +151,43 @@ class Recorder:
             )
         else:
             self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})
+
+
+class ForeignRecords:
+    """Records under boot keys the journal identity never certified: a gateway that
+    was never unlocked wrote them, or someone else did (a forged tail after a crash).
+    Found when the journal opens, journaled once as `foreign_records` at the next
+    unlock, told to watching operators, and kept for `status` for this lifetime."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self._pending: dict[str, list[int]] = {}  # boot -> [first seq, last seq, records]
+        self.reported: list[dict[str, Any]] = []  # what this lifetime reported
+
+    def found(self, records: list[Record], identity: Identity) -> None:
+        spans = uncertified_boots(records, identity)
+        # Boots an earlier notice already named -- counted only from notices under a
+        # certified boot, or a forger could silence the report with a notice of its own.
+        told = {
+            boot
+            for r in records
+            if r.type == EventType.FOREIGN_RECORDS.value and r.boot not in spans
+            for boot in r.meta.get("boots", [])
+        }
+        self._pending = {b: span for b, span in spans.items() if b not in told}
+
+    def report(self) -> None:
+        """At unlock, once the identity can certify the notice itself."""
+        if not self._pending:
+            return
+        spans = [
+            {"boot": boot, "first": a, "last": z, "records": n}
+            for boot, (a, z, n) in sorted(self._pending.items(), key=lambda i: i[1][0])
+        ]
+        self._pending = {}
+        self.reported = spans
+        meta = {"boots": [s["boot"] for s in spans], "records": sum(s["records"] for s in spans)}
+        self.recorder.record(EventType.FOREIGN_RECORDS, meta, {"spans": spans})
+        for span in spans:
+            log.warning("%s", foreign_warning(span))
+            self.recorder.notice(foreign_warning(span))

@@ -188,6 +188,7 @@ class Service:
         watch: Callable[[Subject], None] = lambda s: None,
         refresh: Callable[[Subject], Subject] = lambda s: s,
         rides_a_master: Callable[[Peer], bool] = lambda p: False,
+        refusing: Callable[[], str | None] = lambda: None,
         schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
         clock: Callable[[], float] = time.time,
         approval_timeout: float = APPROVAL_TIMEOUT,
@@ -203,6 +204,9 @@ class Service:
         self.watch = watch
         self.refresh = refresh
         self.rides_a_master = rides_a_master
+        # Why no new work is taken (the witness buffer is full and bastion.toml says
+        # refuse), or None: asked before the gate, so nothing is dispatched unwitnessed.
+        self.refusing = refusing
         self.schedule = schedule
         self.clock = clock
         self.approval_timeout = approval_timeout
@@ -270,6 +274,8 @@ class Service:
             return self._denied(
                 conn, req, Failure(Code.UNSUPPORTED_REQUEST, refusal, req.request_id)
             )
+        if (full := self.refusing()) is not None:
+            return self._denied(conn, req, Failure(Code.INTERNAL, full, req.request_id))
         if ack_unknown and req.action is not None and self.actions.acknowledge(req.action):
             self.recorder.record(
                 EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}

@@ -478,6 +478,30 @@ def check_audit_sessions(w: World, r: Out) -> None:
     assert w.record("audit sessions", mine) in (None, mine)
 
 
+def check_audit_export(w: World, r: Out) -> None:
+    """Every record once, in seq order; the marked request's story with its command
+    (asked for) and outcome; no command text without --with-commands. Offline
+    reads the same journal the gateway does: the online lines extend the offline."""
+    lines = ok(r).stdout.splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    mine = {e["type"]: e for e in events if e.get("request_id") == w.vars["req"]}
+    assert mine["request_received"]["command"] == MARKED_COMMAND
+    assert (mine["completed"]["exit_status"], mine["completed"]["boot"]) == (
+        0,
+        mine["request_received"]["boot"],
+    )
+    passphrase = ("--passphrase-stdin",) if w.mode == OFFLINE else ()
+    plain = ok(w.cli("audit", "export", *passphrase, stdin=PASS if passphrase else None))
+    assert len(plain.stdout.splitlines()) == len(lines)
+    assert MARKED_COMMAND not in plain.stdout and "cli-matrix-request" not in plain.stdout
+    if w.mode == OFFLINE:
+        needs_gateway(w, w.cli("audit", "export"))
+    previous = w.record("audit export", lines)
+    if previous is not None and w.mode == ONLINE:
+        assert lines[: len(previous)] == previous
+
+
 def check_hostkey(w: World, r: Out) -> None:
     out = ok(r).stdout
     assert f"# {w.vars['address']}:{w.vars['port']} SHA256:" in out
@@ -794,6 +818,11 @@ ROWS: list[Row] = [
         ("audit", "sessions"),
         online=Case(("--json",), check_audit_sessions),
         offline=Case(("--json", "--passphrase-stdin"), check_audit_sessions, PASS),
+    ),
+    Row(
+        ("audit", "export"),
+        online=Case(("--with-commands",), check_audit_export),
+        offline=Case(("--with-commands", "--passphrase-stdin"), check_audit_export, PASS),
     ),
     Row(
         ("hostkey",),

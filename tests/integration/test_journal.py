@@ -7,7 +7,6 @@ import base64
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from bastion import journal
 from bastion.core.events import EventType
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import PASSPHRASE, Bastion, make_bastion, secret_needles, wait_for
+from tests.harness import bastion_cli as cli
 
 SECRET_COMMAND = "echo marker-in-command-7f3a && echo marker-in-output-9c2b"
 
@@ -55,17 +55,6 @@ def busy(
     finally:
         b.close()
     return root / "home"
-
-
-def cli(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bastion.cli", "--home", str(home), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-    )
 
 
 def verify(home: Path, *args: str) -> subprocess.CompletedProcess[str]:

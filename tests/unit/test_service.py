@@ -387,6 +387,21 @@ async def test_a_shared_ssh_connection_is_refused_before_any_card(rig: Rig) -> N
     assert "ControlMaster" in result.message and rig.life.book.pending() == []
 
 
+async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gate(rig: Rig) -> None:
+    """`when_full = "refuse"`: nothing is dispatched the collector could not hear of,
+    and the agent is told why and that a retry later may work."""
+    full = "the audit witness is 9 entries behind; retry later"
+    rig.life.service.refusing = lambda: full
+    result = await rig.send(rig.life.connect(rig.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.INTERNAL
+    assert result.message == full and rig.life.book.pending() == []
+    assert rig.outbound.calls == [] and rig.outbound.sent == []
+    rig.life.service.refusing = lambda: None  # caught up: work is taken again
+    waiting = rig.send(rig.life.connect(rig.tree.spawn()))
+    await rig.card()
+    waiting.cancel()
+
+
 async def test_wrong_passphrases_in_a_row_cost_ever_longer(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,141 @@
+"""`$BASTION_HOME/bastion.toml`: the gateway's own settings, validated like the policy.
+
+Fail closed: an unknown key (a typo), a wrong type or a bad value is an error
+naming the file and the key, and the gateway refuses to start -- it must not
+run without a witness the operator asked for. A missing file means defaults
+(no witness). Example, with every key:
+
+    [witness]
+    file = "/mnt/other-disk/bastion-witness.jsonl"   # an append-only file elsewhere, or
+                             # a directory (heads go to DIR/bastion-witness.jsonl)
+    syslog = "tcp://127.0.0.1:514"                   # or "unix:/dev/log"-style path
+    every = "request"        # emit the head after each record that ends a request,
+                             # or an integer N: every N records (certifications always)
+    buffer_max = 100000      # witness entries kept on disk while a witness is down
+    when_full = "continue"   # or "refuse": refuse new work (INTERNAL) past buffer_max
+
+    [export]
+    with_commands = false    # the syslog stream's per-request summaries carry no
+                             # command text unless this is true
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WITNESS_KEYS = ("file", "syslog", "every", "buffer_max", "when_full")
+EXPORT_KEYS = ("with_commands",)
+WHEN_FULL = ("continue", "refuse")
+
+
+class ConfigError(Exception):
+    """bastion.toml cannot be used as written; the message names file and key."""
+
+
+@dataclass(frozen=True)
+class SyslogTarget:
+    transport: str  # "tcp" or "unix"
+    address: str  # "HOST:PORT" or a socket path
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class WitnessConfig:
+    file: Path | None = None
+    syslog: SyslogTarget | None = None
+    every: int | None = None  # None: after each record that ends a request
+    buffer_max: int = 100_000
+    when_full: str = "continue"
+
+    @property
+    def enabled(self) -> bool:
+        return self.file is not None or self.syslog is not None
+
+
+@dataclass(frozen=True)
+class Config:
+    witness: WitnessConfig = WitnessConfig()
+    export_with_commands: bool = False
+
+
+def _unknown(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in table:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f'did you mean "{close[0]}"?' if close else f"known keys: {', '.join(known)}"
+            raise ConfigError(f'{where}: unknown key "{key}" ({hint})')
+
+
+def _syslog(value: object, where: str) -> SyslogTarget:
+    text = value if isinstance(value, str) else ""
+    scheme, sep, rest = text.partition("://") if "://" in text else text.partition(":")
+    if scheme == "tcp" and sep and rest:
+        target = SyslogTarget("tcp", rest)
+        try:
+            host, port = target.host_port
+        except ValueError:
+            host, port = "", 0
+        if host and 0 < port < 65536:
+            return target
+    elif scheme == "unix" and sep and rest.startswith("/"):
+        return SyslogTarget("unix", rest)
+    raise ConfigError(f'{where}: "syslog" must be "tcp://HOST:PORT" or "unix:/PATH", got {value!r}')
+
+
+def parse_config(text: str, source: str) -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    _unknown(data, ("witness", "export"), source)
+    raw = data.get("witness", {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{source}: "witness" must be a table: [witness]')
+    where = f"{source}: [witness]"
+    _unknown(raw, WITNESS_KEYS, where)
+    file = raw.get("file")
+    if file is not None and (not isinstance(file, str) or not file.startswith("/")):
+        raise ConfigError(f'{where}: "file" must be an absolute path, got {file!r}')
+    every = raw.get("every", "request")
+    if every != "request" and (type(every) is not int or every < 1):
+        raise ConfigError(f'{where}: "every" must be "request" or a whole number >= 1')
+    buffer_max = raw.get("buffer_max", 100_000)
+    if type(buffer_max) is not int or buffer_max < 1:
+        raise ConfigError(f'{where}: "buffer_max" must be a whole number >= 1')
+    when_full = raw.get("when_full", "continue")
+    if when_full not in WHEN_FULL:
+        raise ConfigError(f'{where}: "when_full" must be "continue" or "refuse"')
+    export = data.get("export", {})
+    if not isinstance(export, dict):
+        raise ConfigError(f'{source}: "export" must be a table: [export]')
+    _unknown(export, EXPORT_KEYS, f"{source}: [export]")
+    with_commands = export.get("with_commands", False)
+    if type(with_commands) is not bool:
+        raise ConfigError(f'{source}: [export]: "with_commands" must be true or false')
+    witness = WitnessConfig(
+        file=Path(file) if file else None,
+        syslog=_syslog(raw["syslog"], where) if "syslog" in raw else None,
+        every=None if every == "request" else every,
+        buffer_max=buffer_max,
+        when_full=when_full,
+    )
+    return Config(witness, with_commands)
+
+
+def load_config(path: Path) -> Config:
+    """The settings in `path`, or the defaults when it does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Config()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return parse_config(text, str(path))

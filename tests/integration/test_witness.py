@@ -1,0 +1,451 @@
+"""The witness off the box: real gateways witnessing to a real rsyslogd (over TCP and
+its unix socket) and to a witness file, and `bastion audit verify --witness`
+catching what a same-uid attacker does to the journal once the gateway is gone:
+laundering (truncate to the last certification, forge a boot and a harmless
+request), truncation, rollback to an older copy, a re-chained journal -- with
+head.json deleted or rewritten. Also: the per-request syslog stream is the
+`audit activity` view, a collector outage costs nothing, and a bad bastion.toml
+stops the gateway."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bastion import journal
+from bastion.core.events import EventType
+from bastion.courier import AUDIT, HEAD
+from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
+from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.witness import read_entries
+from tests.harness import (
+    PASSPHRASE,
+    Agent,
+    Bastion,
+    Terminal,
+    approved_agent,
+    cli_argv,
+    make_bastion,
+    secret_needles,
+    wait_for,
+    witness_caught_up,
+    write_bastion_toml,
+)
+from tests.harness import (
+    bastion_cli as cli,
+)
+
+COMMAND_MARKER = "witness-cmd-marker-7d1e"
+OUTPUT_MARKER = "witness-out-marker-4b2c"
+
+
+def new_rsyslog(root: Path) -> Rsyslog:
+    reason = rsyslog_available()
+    if reason:
+        pytest.skip(reason)
+    return Rsyslog(root).start()
+
+
+@pytest.fixture
+def rsyslog(tmp_path: Path) -> Iterator[Rsyslog]:
+    r = new_rsyslog(tmp_path / "rsyslog")
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def witnessed(root: Path, sshd: SshdInfo, key: Path, toml: str) -> Bastion:
+    """A home with this bastion.toml, its gateway started and unlocked."""
+    b = make_bastion(root, sshd, key, start=False)
+    write_bastion_toml(b, toml)
+    b.start_daemon()
+    b.unlock()
+    return b
+
+
+def verify(home: Path, *witnesses: Path) -> subprocess.CompletedProcess[str]:
+    return cli(home, "audit", "verify", *(a for w in witnesses for a in ("--witness", str(w))))
+
+
+def run_all(agent: Agent, commands: list[str], width: int = 6) -> None:
+    """Run commands through the gateway, `width` at a time; each must succeed."""
+    with ThreadPoolExecutor(width) as pool:
+        for r in pool.map(agent.run, commands):
+            assert r.rc == 0, r.stderr
+
+
+def last_seq(home: Path) -> int:
+    return journal.head(home / "journal")[0]
+
+
+def head_seqs(path: Path) -> list[int]:
+    return [h["seq"] for h in read_entries([path], HEAD)]
+
+
+# -- a witnessed home, two lifetimes (file + rsyslog over its unix socket) ---------------------
+
+
+@pytest.fixture(scope="module")
+def busy(
+    tmp_path_factory: pytest.TempPathFactory, sshd_server: Any, client_key: tuple[Path, str]
+) -> Iterator[dict[str, Path]]:
+    root = tmp_path_factory.mktemp("witnessed")
+    collector = new_rsyslog(root / "rsyslog")
+    paths = {"file": root / "offbox" / "witness.log", "rsyslog": collector.output}
+    paths["file"].parent.mkdir()
+    toml = f'[witness]\nfile = "{paths["file"]}"\nsyslog = "{collector.unix}"\n'
+    b = witnessed(root, sshd_server.info, client_key[0], toml)
+    try:
+        agent = approved_agent(b)
+        run_all(agent, ["true"] * 3)
+        b.stop_daemon()  # certifies at stop; the witness catches up before it exits
+        shutil.copytree(b.home.root, root / "older", ignore=shutil.ignore_patterns("*.sock"))
+        b.start_daemon()
+        b.unlock()
+        rid = agent.start("true")  # a new lifetime asks again
+        b.approve_next()
+        assert agent.wait(rid).rc == 0
+        run_all(agent, ["true"] * 2)
+        b.stop_daemon()
+        end = last_seq(b.home.root)
+        for path in paths.values():
+            wait_for(lambda p=path: end in head_seqs(p), 30)
+        yield {**paths, "home": b.home.root, "older": root / "older"}
+    finally:
+        b.close()
+        collector.stop()
+
+
+def test_an_intact_journal_holds_every_witnessed_head(busy: dict[str, Path]) -> None:
+    end = last_seq(busy["home"])
+    for source in ("file", "rsyslog"):
+        r = verify(busy["home"], busy[source])
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"the last at seq {end}" in r.stdout
+    r = cli(busy["home"], "audit", "verify", "--json", "--witness", str(busy["rsyslog"]))
+    w = json.loads(r.stdout)["witness"]
+    assert w["ok"] and w["last"] == end and w["heads"] >= 8  # 2 lifetimes x (3 requests + 2 certs)
+    types = [h["type"] for h in read_entries([busy["file"]], HEAD)]
+    assert types.count("certify") >= 4  # each lifetime: at unlock and at stop
+    assert types.count("completed") == 7  # one head per request, 7 requests in all
+
+
+def tamper_copy(busy: dict[str, Path], tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    shutil.copytree(busy["home"], home, ignore=shutil.ignore_patterns("*.sock"))
+    return home
+
+
+def fix_anchor(home: Path, how: str) -> None:
+    """What a careful attacker does to head.json: delete it, or make it agree."""
+    anchor = home / "journal" / "head.json"
+    if how == "deleted":
+        anchor.unlink(missing_ok=True)
+    else:
+        seq, digest = journal.head(home / "journal")
+        anchor.write_text(json.dumps({"seq": seq, "hash": digest}))
+
+
+@pytest.mark.parametrize("anchor", ["deleted", "rewritten"])
+@pytest.mark.parametrize("source", ["file", "rsyslog"])
+def test_truncation_is_caught(busy: dict[str, Path], tmp_path: Path, source: str, anchor: str):
+    home = tamper_copy(busy, tmp_path)
+    seg = journal.segments(home / "journal")[-1]
+    lines = seg.read_bytes().split(b"\n")[:-1]
+    seg.write_bytes(b"\n".join(lines[:-4]) + b"\n")
+    fix_anchor(home, anchor)
+    end = last_seq(home)
+    r = verify(home, busy[source])
+    assert r.returncode == 1, r.stdout
+    missing = min(s for s in head_seqs(busy[source]) if s > end)
+    assert f"truncated: the witness saw seq {missing}" in r.stdout, r.stdout
+    assert f"the journal ends at seq {end}" in r.stdout
+
+
+@pytest.mark.parametrize("anchor", ["kept", "deleted"])
+@pytest.mark.parametrize("source", ["file", "rsyslog"])
+def test_a_rollback_to_an_older_copy_is_caught(
+    busy: dict[str, Path], tmp_path: Path, source: str, anchor: str
+) -> None:
+    home = tamper_copy(busy, tmp_path)
+    shutil.rmtree(home / "journal")
+    shutil.copytree(busy["older"] / "journal", home / "journal")  # its head.json agrees
+    if anchor == "deleted":
+        fix_anchor(home, anchor)
+    assert verify(home).returncode == 0  # consistent in itself: only the witness knows more
+    end = last_seq(home)
+    r = verify(home, busy[source])
+    assert r.returncode == 1
+    missing = min(s for s in head_seqs(busy[source]) if s > end)
+    assert f"truncated: the witness saw seq {missing}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("source", ["file", "rsyslog"])
+def test_a_rechained_journal_is_caught(busy: dict[str, Path], tmp_path: Path, source: str):
+    """test_journal.py's rebuilt chain: new boot key, events re-encrypted to the public
+    key, hashes recomputed, head.json rewritten by the forger's own writer."""
+    home = tamper_copy(busy, tmp_path)
+    jdir = home / "journal"
+    original = list(journal.records(jdir))
+    for seg in journal.segments(jdir):
+        seg.unlink()
+    (jdir / "head.json").unlink()
+    forger = journal.Journal(jdir, journal.read_identity(jdir), original[0].boot)
+    forger.open()
+    for r in original[1:]:
+        if r.type != "boot":
+            forger.append(EventType(r.type), dict(r.meta), {"forged": True})
+    forger.close()
+    r = verify(home, busy[source])
+    assert r.returncode == 1
+    first = min(head_seqs(busy[source]))
+    assert f"forked: seq {first} has hash" in r.stdout, r.stdout
+
+
+def test_a_witness_without_heads_is_not_proof(busy: dict[str, Path], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.log"
+    empty.write_text("Jun 11 10:00:00 vm sshd[1]: nothing of bastion's\n")
+    r = verify(busy["home"], empty)
+    assert r.returncode == 1 and "Nothing witnessed is not proof" in r.stdout, r.stdout
+
+
+# -- the reviewer's laundering, witnessed by rsyslog over TCP ---------------------------------
+
+
+def launder(jdir: Path) -> str:
+    """The reviewer's attack, with the files and the public identity only: cut the
+    journal back to its last certification, forge a boot and a harmless request.
+    Returns the forged boot's id."""
+    recs = list(journal.records(jdir))
+    cert = max(r.seq for r in recs if r.type == "certify")
+    for seg in journal.segments(jdir):
+        kept = [x for x in seg.read_bytes().split(b"\n")[:-1] if json.loads(x)["seq"] <= cert]
+        seg.write_bytes(b"".join(x + b"\n" for x in kept))
+    forged = "boot_" + secrets.token_hex(12)
+    forger = journal.Journal(jdir, journal.read_identity(jdir), forged)
+    forger.open()  # a forged boot record, with the forger's own boot key
+    forger.append(
+        EventType.REQUEST_RECEIVED,
+        {"request_id": "req_harmless", "action": None},
+        {"host": "web1", "user": "u", "command": "uptime"},
+    )
+    forger.append(EventType.COMPLETED, {"request_id": "req_harmless", "exit_status": 0}, {})
+    # A notice of its own, hoping the next gateway takes its boot as already reported.
+    forger.append(EventType.FOREIGN_RECORDS, {"boots": [forged], "records": 0}, {})
+    forger.close()  # head.json now names the forged end
+    return forged
+
+
+def test_laundering_after_a_kill_is_caught(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    """Caught three ways: the witness names the head the journal lost; after the
+    operator's restart and unlock, `verify --strict` names the forged boot, and the
+    gateway journals a `foreign_records` notice shown in `status` and `approve`."""
+    b = witnessed(tmp_path, sshd, client_key[0], f'[witness]\nsyslog = "{rsyslog.tcp}"\n')
+    try:
+        agent = approved_agent(b)
+        run_all(agent, ["true"] * 3)
+        witness_caught_up(b)
+        end = last_seq(b.home.root)
+        rsyslog.wait_for(lambda _: end in head_seqs(rsyslog.output))
+        assert b.daemon is not None
+        b.daemon.send_signal(signal.SIGKILL)
+        b.daemon.wait(10)
+    finally:
+        b.close()
+    jdir = b.home.journal
+    cert = max(r.seq for r in journal.records(jdir) if r.type == "certify")
+    forged = launder(jdir)
+    forged_seqs = [r.seq for r in journal.records(jdir) if r.boot == forged]
+    witnessed_after = min(s for s in head_seqs(rsyslog.output) if s > cert)
+    r = verify(b.home.root, rsyslog.output)
+    assert r.returncode == 1, r.stdout
+    assert f"seq {witnessed_after}" in r.stdout.split("witness ")[-1], r.stdout
+    (jdir / "head.json").unlink()
+    r = verify(b.home.root, rsyslog.output)
+    assert r.returncode == 1 and f"seq {witnessed_after}" in r.stdout
+
+    # The operator restarts and unlocks, a prompt already watching.
+    b.start_daemon()
+    prompt = Terminal(cli_argv(b.home.root, "approve"))
+    try:
+        prompt.expect("waiting for cards")
+        b.unlock()
+        shown = prompt.expect("bastion audit verify --witness")
+        assert forged in shown and f"seq {forged_seqs[0]}..{forged_seqs[-1]}" in shown
+        status = b.op("status")
+        assert [s["boot"] for s in status["foreign_records"]] == [forged]
+        human = b.cli("status").stdout
+        assert "WARNING" in human and forged in human
+        notices = [
+            r for r in journal.records(jdir) if r.type == "foreign_records" and r.boot != forged
+        ]
+        assert len(notices) == 1 and notices[0].meta["boots"] == [forged]
+        r = cli(b.home.root, "audit", "verify", "--strict")
+        assert r.returncode == 1
+        assert f"signed by boot key {forged}, never certified (--strict)" in r.stdout, r.stdout
+        r = cli(b.home.root, "audit", "verify")  # without --strict: named, not fatal
+        assert r.returncode == 0 and forged in r.stdout, r.stdout
+        # A new prompt sees it in the hello, not only as a notice when it happened.
+        late = Terminal(cli_argv(b.home.root, "approve"))
+        try:
+            late.expect("waiting for cards")
+            assert forged in late.expect("bastion audit verify --witness")
+        finally:
+            late.close()
+    finally:
+        prompt.close()
+        b.close()
+    # Reported once: the next lifetime names it in verify still, but does not re-journal.
+    b.start_daemon()
+    try:
+        b.unlock()
+        assert b.op("status")["foreign_records"] == []
+        notices = [r for r in journal.records(jdir) if r.type == "foreign_records"]
+        assert len([n for n in notices if n.boot != forged]) == 1
+    finally:
+        b.close()
+    r = cli(b.home.root, "audit", "verify", "--strict")
+    assert r.returncode == 1 and forged in r.stdout
+
+
+# -- the syslog stream ------------------------------------------------------------------------
+
+
+def activity(b: Bastion) -> list[dict[str, Any]]:
+    return json.loads(b.cli("audit", "activity", "--json").stdout)
+
+
+def test_one_summary_per_request_is_the_activity_row(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    b = witnessed(tmp_path, sshd, client_key[0], f'[witness]\nsyslog = "{rsyslog.tcp}"\n')
+    try:
+        agent = approved_agent(b)
+        assert OUTPUT_MARKER.encode() in agent.run(f"echo {OUTPUT_MARKER}").stdout
+        run_all(agent, [f"true {COMMAND_MARKER}"] * 200)
+        witness_caught_up(b)
+        rows = activity(b)
+        assert len(rows) == 202
+        text = rsyslog.wait_for(lambda _: len(read_entries([rsyslog.output], AUDIT)) >= 202)
+    finally:
+        b.close()
+    summaries = read_entries([rsyslog.output], AUDIT)
+    assert len(summaries) == 202
+    by_id = {s["request_id"]: s for s in summaries}
+    assert len(by_id) == 202
+    for row in rows:
+        assert by_id[row["request_id"]] == {**row, "command": None}
+    data = text.encode()
+    for needle in (COMMAND_MARKER.encode(), OUTPUT_MARKER.encode(), PASSPHRASE.encode()):
+        assert needle not in data
+    for needle in secret_needles(client_key[0]):
+        assert needle not in data
+
+
+def test_a_collector_outage_costs_nothing(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    b = witnessed(tmp_path, sshd, client_key[0], f'[witness]\nsyslog = "{rsyslog.tcp}"\n')
+    try:
+        agent = approved_agent(b)
+        run_all(agent, ["true"] * 5)
+        witness_caught_up(b)
+        rsyslog.stop()
+        run_all(agent, ["true"] * 20)  # when_full = "continue": the requests go on
+        wait_for(lambda: b.op("status")["witness"]["targets"]["syslog"]["failing"])
+        status = json.loads(b.cli("status", "--json").stdout)["witness"]
+        assert status["waiting"] >= 40 and status["oldest_age"] > 0  # a head and a summary each
+        assert status["targets"]["syslog"]["last_error"].startswith("cannot reach tcp://")
+        assert status["refusing"] is None
+        human = b.cli("status").stdout  # what the operator reads at 2 a.m.
+        assert "witness:   ok: " in human and "FAILING: cannot reach tcp://" in human, human
+        rsyslog.start()  # the same port
+        caught_up = witness_caught_up(b, timeout=60)
+        assert caught_up["targets"]["syslog"]["failing"] is False
+        rows = activity(b)
+        rsyslog.wait_for(lambda _: len(read_entries([rsyslog.output], AUDIT)) >= len(rows))
+    finally:
+        b.close()
+    sent = collections.Counter(s["request_id"] for s in read_entries([rsyslog.output], AUDIT))
+    assert sorted(sent) == sorted(r["request_id"] for r in rows)  # none lost
+    assert set(sent.values()) == {1}  # none twice
+    heads = collections.Counter(head_seqs(rsyslog.output))
+    assert set(heads.values()) == {1}
+
+
+def test_a_full_buffer_set_to_refuse_refuses_with_internal_until_drained(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    toml = f'[witness]\nsyslog = "{rsyslog.tcp}"\nbuffer_max = 4\nwhen_full = "refuse"\n'
+    b = witnessed(tmp_path, sshd, client_key[0], toml)
+    try:
+        agent = approved_agent(b)
+        witness_caught_up(b)
+        rsyslog.stop()
+        for _ in range(3):  # a head and a summary each: 6 entries, past the bound of 4
+            assert agent.run("true").rc == 0
+        wait_for(lambda: b.op("status")["witness"]["refusing"] is not None)
+        refused = agent.run("echo never-sent")
+        assert refused.code == "INTERNAL" and refused.stdout == b"", refused.stderr
+        message = refused.error["message"] if refused.error else ""
+        assert "audit witness" in message and "retry later" in message, message
+        assert "REFUSING NEW WORK" in b.cli("status").stdout
+        rsyslog.start()
+        witness_caught_up(b, timeout=60)
+        assert agent.run("true").rc == 0  # caught up: work is taken again
+    finally:
+        b.close()
+    r = cli(b.home.root, "audit", "activity", "--json", "--passphrase-stdin", stdin=PASSPHRASE)
+    (row,) = [row for row in json.loads(r.stdout) if row["command"] == "echo never-sent"]
+    assert (row["outcome"], row["code"], row["session_id"]) == ("denied", "INTERNAL", None)
+
+
+# -- bastion.toml -----------------------------------------------------------------------------
+
+
+def test_without_bastion_toml_there_is_no_witness(bastion: Bastion) -> None:
+    assert bastion.op("status")["witness"] is None
+    assert not bastion.home.witness_spool.exists()
+
+
+@pytest.mark.parametrize(
+    "toml,expect",
+    [
+        (
+            '[witness]\nfiel = "/mnt/w.log"\n',
+            '[witness]: unknown key "fiel" (did you mean "file"?)',
+        ),
+        ('[witness]\nbuffer_max = "lots"\n', '"buffer_max" must be a whole number'),
+        ("[witness]\nsyslog = 514\n", '"syslog" must be "tcp://HOST:PORT" or "unix:/PATH"'),
+    ],
+)
+def test_a_bad_bastion_toml_stops_the_gateway(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], toml: str, expect: str
+) -> None:
+    b = make_bastion(tmp_path, sshd, client_key[0], start=False)
+    write_bastion_toml(b, toml)
+    r = subprocess.run(
+        [sys.executable, "-m", "bastion.cli", "--home", str(b.home.root), "daemon"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert str(b.home.config) in r.stderr and expect in r.stderr, r.stderr
+    assert "the gateway does not start" in r.stderr and "Traceback" not in r.stderr
+    assert not os.path.exists(b.home.operator_socket)
