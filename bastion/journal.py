@@ -34,9 +34,10 @@ import hashlib
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,12 @@ class Journal:
         self.head = GENESIS
         self._fd: int | None = None
         self._path: Path | None = None
+        # Group commit: `append(sync=False)` writes and returns; `sync()` (from any
+        # thread) makes everything written so far durable with one fdatasync.
+        self._lock = threading.Lock()  # seq/head/fd as one, for `sync` in a thread
+        self._head_lock = threading.Lock()  # head.json's writers
+        self.synced_seq = 0
+        self._head_written = 0
         self.fsyncs = 0
         self.appends = 0
         self.append_seconds = 0.0  # time spent appending, fsyncs included (see bench/)
@@ -300,6 +307,7 @@ class Journal:
 
     def _open_segment(self, path: Path | None) -> None:
         if self._fd is not None:
+            os.fdatasync(self._fd)  # what it holds is durable before it is let go
             os.close(self._fd)
         if path is None or path.stat().st_size >= SEGMENT_MAX:
             path = self.directory / f"{self.seq + 1:012d}.jsonl"
@@ -308,8 +316,13 @@ class Journal:
 
     # appending -----------------------------------------------------------------------
 
-    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> Record:
-        """Write one record; it is on disk (fdatasync) when this returns."""
+    def append(
+        self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = True
+    ) -> Record:
+        """Write one record. With `sync` it (and all before it) is on disk
+        (fdatasync) when this returns; without, it is written (a killed gateway
+        loses nothing) and durable at the next `sync` -- a power cut before that
+        loses it and what follows, never an earlier record."""
         if self._fd is None:
             raise JournalError("the journal is not open")
         began = time.perf_counter()
@@ -323,22 +336,47 @@ class Journal:
         line = record.line()
         if os.write(self._fd, line) != len(line):
             raise JournalError("short write to the journal")
-        os.fdatasync(self._fd)
-        self.fsyncs += 1
-        self.seq, self.head = seq, digest
-        self._write_head()
-        if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:
-            self._open_segment(None)
+        with self._lock:
+            self.seq, self.head = seq, digest
+            if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:
+                self._open_segment(None)
+                self.synced_seq = seq  # rotation synced the old segment
+        if sync:
+            self.sync()
         self.appends += 1
         self.append_seconds += time.perf_counter() - began
         return record
 
-    def _write_head(self) -> None:
-        tmp = self.directory / "head.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"seq": self.seq, "hash": self.head.hex()}))
-        os.replace(tmp, self.directory / "head.json")
+    def sync(self) -> int:
+        """Make every record written so far durable; returns the last durable seq.
+        Safe from another thread than the writer's: it syncs a duplicate of the
+        descriptor, so a segment rotation meanwhile cannot pull it away."""
+        with self._lock:
+            seq, head = self.seq, self.head
+            if seq <= self.synced_seq or self._fd is None:
+                return self.synced_seq
+            fd = os.dup(self._fd)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.synced_seq = max(self.synced_seq, seq)
+            self.fsyncs += 1
+        self._write_head(seq, head)
+        return seq
+
+    def _write_head(self, seq: int, head: bytes) -> None:
+        """head.json names a durable record, never one a power cut could take back."""
+        with self._head_lock:
+            if seq <= self._head_written:
+                return
+            tmp = self.directory / "head.json.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"seq": seq, "hash": head.hex()}))
+            os.replace(tmp, self.directory / "head.json")
+            self._head_written = seq
 
     def certify(self, identity: Ed25519PrivateKey) -> Record:
         """Vouch for this boot's key and, through the chain, for everything so far."""
@@ -349,26 +387,11 @@ class Journal:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-
-
-def uncertified_boots(recs: Iterable[Record], identity: Identity) -> dict[str, list[int]]:
-    """Boots with records whose own key no certification by the journal identity
-    covers: boot -> [first seq, last seq, records]. What a new lifetime reports as
-    `foreign_records` at unlock (full checking is `verify`'s job)."""
-    spans: dict[str, list[int]] = {}
-    certified: set[str] = set()
-    for r in recs:
-        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
-        span[1], span[2] = r.seq, span[2] + 1
-        if r.type == EventType.CERTIFY.value:
-            with contextlib.suppress(KeyError, ValueError, InvalidSignature):
-                key, head = _unb64(r.meta["boot_key"]), bytes.fromhex(r.meta["head"])
-                identity.signing.verify(_unb64(r.meta["cert"]), _cert_message(r.boot, key, head))
-                certified.add(r.boot)
-    return {boot: span for boot, span in spans.items() if boot not in certified}
+            self.sync()
+            with self._lock:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = None
 
 
 def head(directory: Path) -> tuple[int, str]:
@@ -377,151 +400,6 @@ def head(directory: Path) -> tuple[int, str]:
     for last in records(directory):  # noqa: B007 - the last one is the head
         pass
     return (last.seq, last.hash) if last else (0, GENESIS.hex())
-
-
-# -- verify -------------------------------------------------------------------------------
-
-
-@dataclass
-class VerifyReport:
-    ok: bool
-    records: int = 0
-    problem: str | None = None  # the first bad record, named, and why
-    notes: list[str] = field(default_factory=list)
-    uncertified: list[dict[str, Any]] = field(default_factory=list)  # boots never certified
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "records": self.records,
-            "problem": self.problem,
-            "notes": self.notes,
-            "uncertified": self.uncertified,
-        }
-
-
-def verify(
-    directory: Path, identity: Identity, expect_head: str | None = None, strict: bool = False
-) -> VerifyReport:
-    """Check every record: order, chain, signatures, certifications, head.
-
-    Needs no passphrase and no gateway: only public keys are involved.
-    """
-    v = VerifyReport(ok=True)
-
-    def bad(line: Line | None, why: str) -> VerifyReport:
-        where = f"{line.path.name}:{line.number}" if line else "journal"
-        seq = f" (seq {line.record.seq})" if line and line.record else ""
-        v.ok, v.problem = False, f"{where}{seq}: {why}"
-        return v
-
-    boot_keys: dict[str, Ed25519PublicKey] = {}
-    spans: dict[str, list[int]] = {}  # boot -> [first seq, last seq, records]
-    certified: set[str] = set()  # boots whose own key the journal identity certified
-    prev, expected, certified_to = GENESIS, 1, 0
-    found_head = expect_head is None
-    last_line: Line | None = None
-    lines = list(read_lines(directory))
-    present = {line.record.seq for line in lines if line.record is not None}
-    for line in lines:
-        last_line = line
-        if line.torn:
-            return bad(line, "torn: the last line is incomplete (the gateway stopped mid-write)")
-        r = line.record
-        if r is None:
-            return bad(line, "edited: not a well-formed record")
-        if r.seq < expected:
-            return bad(line, f"reordered: seq {r.seq} after {expected - 1}")
-        if r.seq > expected and expected in present:
-            return bad(line, f"reordered: seq {r.seq} where {expected} belongs")
-        if r.seq > expected:
-            return bad(line, f"deleted: seq {expected}..{r.seq - 1} missing")
-        digest = chain_hash(prev, r.seq, r.body())
-        if digest.hex() != r.hash:
-            return bad(line, "edited: its content or its place in the chain changed")
-        if r.type == EventType.BOOT.value:
-            if r.boot in boot_keys:
-                return bad(line, f"edited: boot {r.boot} announced a key twice")
-            try:
-                boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
-            except (KeyError, ValueError):
-                return bad(line, "edited: malformed boot record")
-        key = boot_keys.get(r.boot)
-        if key is None:
-            return bad(line, f"unsigned: boot {r.boot} never announced its key")
-        try:
-            key.verify(_unb64(r.sig), digest)
-        except (InvalidSignature, ValueError):
-            return bad(line, "bad signature")
-        if r.type == EventType.CERTIFY.value:
-            try:
-                boot_key = _unb64(r.meta["boot_key"])
-                if boot_key != key.public_bytes(*_RAW) or r.meta["head"] != prev.hex():
-                    raise ValueError("certifies another key or head")
-                identity.signing.verify(
-                    _unb64(r.meta["cert"]), _cert_message(r.boot, boot_key, prev)
-                )
-            except (KeyError, ValueError, InvalidSignature):
-                return bad(
-                    line,
-                    "bad signature: the certification does not verify with the "
-                    "journal identity (a rebuilt or re-signed chain)",
-                )
-            certified_to = r.seq
-            certified.add(r.boot)
-        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
-        span[1], span[2] = r.seq, span[2] + 1
-        if expect_head is not None and r.hash == expect_head:
-            found_head = True
-        prev, expected = digest, expected + 1
-        v.records += 1
-    if v.records and certified_to == 0:
-        return bad(
-            last_line,
-            "unsigned: no record was ever certified by the journal identity "
-            "(unlock the gateway once to certify its journal)",
-        )
-    anchor = directory / "head.json"
-    if anchor.exists():
-        try:
-            h = json.loads(anchor.read_text())
-            if int(h["seq"]) > v.records:
-                return bad(
-                    last_line,
-                    f"truncated: head.json names seq {h['seq']}, the journal ends at {v.records}",
-                )
-        except (ValueError, KeyError, TypeError):
-            v.notes.append("head.json is unreadable")
-    if not found_head:
-        return bad(last_line, f"truncated: no record has the expected head hash {expect_head}")
-    # A certification vouches for the boot key that wrote it, never for another's
-    # records: a boot whose key was never certified stays uncertified for good.
-    v.uncertified = [
-        {"boot": boot, "first": a, "last": z, "records": n}
-        for boot, (a, z, n) in spans.items()
-        if boot not in certified
-    ]
-    for u in v.uncertified:
-        v.notes.append(
-            f"{u['records']} record(s), seq {u['first']}..{u['last']}, are signed by boot key "
-            f"{u['boot']}, which the journal identity never certified: written by a gateway "
-            "that was never unlocked, or by someone else (`audit verify --witness` tells)"
-        )
-    if strict and v.uncertified:
-        return bad(
-            last_line,
-            f"uncertified: seq {v.uncertified[0]['first']}..{v.uncertified[0]['last']} are "
-            f"signed by boot key {v.uncertified[0]['boot']}, never certified (--strict)",
-        )
-    uncovered = v.records - certified_to
-    if uncovered:
-        v.notes.append(
-            f"{uncovered} record(s) after seq {certified_to} are signed by their "
-            "boot key but not yet certified (certified at the next unlock)"
-        )
-        if strict:
-            return bad(last_line, "unsigned: uncertified records at the end (--strict)")
-    return v
 
 
 # -- views (need the journal identity's private key) -----------------------------------------

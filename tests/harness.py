@@ -449,6 +449,12 @@ def write_bastion_toml(b: Bastion, text: str) -> None:
 
 
 def witness_caught_up(b: Bastion, timeout: float = 30.0) -> dict[str, Any]:
-    """Wait until every witness has confirmed every entry; returns `status`'s witness."""
-    wait_for(lambda: b.op("status")["witness"]["waiting"] == 0, timeout)
+    """Wait until every record written is durable (so the witness has been told of
+    it) and every witness has confirmed every entry; returns `status`'s witness."""
+
+    def done() -> bool:
+        s = b.op("status")
+        return s["journal"]["synced_seq"] == s["journal"]["seq"] and s["witness"]["waiting"] == 0
+
+    wait_for(done, timeout)
     return b.op("status")["witness"]

@@ -68,7 +68,7 @@ def audit_verify(
     """Check order, chain, signatures and certifications, and with --witness the
     heads a witness saw. Needs neither the passphrase nor the gateway. Exit 0
     intact, 1 with the first bad record or the first witnessed head missing."""
-    from bastion import journal, ops
+    from bastion import journal, journal_verify, ops
     from bastion.vault import Vault, VaultError
 
     home = home_of(ctx)
@@ -78,7 +78,7 @@ def audit_verify(
         identity = journal.read_identity(directory, pin)
     except (journal.JournalError, VaultError) as exc:
         fail(str(exc))
-    report = journal.verify(directory, identity, expect_head, strict)
+    report = journal_verify.verify(directory, identity, expect_head, strict)
     doc = report.as_json()
     ok = report.ok
     if witness_files:

@@ -21,7 +21,8 @@ from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
 from bastion.core.gate import Answer, EndReason, Request, SessionGrant
 from bastion.core.subject import Peer, Subject
-from bastion.journal import Identity, JournalError, Record, uncertified_boots
+from bastion.journal import Identity, JournalError, Record
+from bastion.journal_verify import uncertified_boots
 
 log = logging.getLogger("bastion")
 
@@ -29,12 +30,21 @@ log = logging.getLogger("bastion")
 class JournalWriter(Protocol):
     """The part of `journal.Journal` the gateway writes through."""
 
-    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> Any: ...
+    def append(
+        self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = True
+    ) -> Any: ...
+
+    def sync(self) -> int: ...
 
 
 # Told of every record once it is on disk, with its plaintext event: the witness and
 # the collectors' stream. A sink must not block (it queues and returns).
 Sink = Callable[[Any, dict[str, Any]], None]
+
+# Group commit: records other than the intent are made durable together, at most this
+# many seconds after they were written, by one fdatasync in a worker thread; the loop
+# never waits for the disk except for the intent before a dispatch.
+FLUSH_DELAY = 0.02
 
 
 class Recorder:
@@ -42,26 +52,76 @@ class Recorder:
         self.journal = journal
         self.watchers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.sinks: list[Sink] = []
+        self._unsynced: list[tuple[Any, dict[str, Any]]] = []  # written, sinks not yet told
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._flushing = False
 
     def record(
         self, kind: EventType, meta: dict[str, Any], event: dict[str, Any] | None = None
     ) -> None:
-        """Journal an event, on disk when this returns. A failure is logged
-        loudly; only the intent before a dispatch (see `intent`) is fatal."""
+        """Journal an event: written when this returns (a killed gateway loses
+        nothing), durable within FLUSH_DELAY (a power cut may lose the last few, so
+        a finished request may then read `unknown`, never a false outcome). A
+        failure is logged loudly; only the intent before a dispatch is fatal."""
         try:
             self._append(kind, meta, event or {})
         except (OSError, JournalError) as exc:
             log.error("could not journal %s: %s", kind.value, exc)
 
     def intent(self, request_id: str, session_id: str) -> None:
-        """The durable intent: raises if it could not be written."""
-        self._append(
-            EventType.DISPATCH_STARTED, {"request_id": request_id, "session_id": session_id}, {}
-        )
+        """The durable intent, on disk with everything before it when this returns:
+        raises if it could not be written."""
+        meta = {"request_id": request_id, "session_id": session_id}
+        self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
 
-    def _append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> None:
+    def _append(
+        self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = False
+    ) -> None:
         stamped = {"t": time.time(), **event}
-        self.note(self.journal.append(kind, meta, stamped), stamped)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            sync = True  # no loop to flush later: durable now
+        self._unsynced.append((self.journal.append(kind, meta, stamped, sync=sync), stamped))
+        if sync:
+            self._durable(None)
+        else:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if self._flush_at is None and not self._flushing:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_at = None
+        if self._unsynced:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush_in_thread())
+
+    async def _flush_in_thread(self) -> None:
+        try:
+            self._durable(await asyncio.to_thread(self.journal.sync))
+        except RuntimeError:  # the loop is closing: no worker threads any more
+            self.flush()
+        except OSError as exc:  # the records stay written; the next round tries again
+            log.error("could not make the journal durable: %s", exc)
+        finally:
+            self._flushing = False
+            if self._unsynced:
+                self._schedule()
+
+    def flush(self) -> None:
+        """Everything written so far durable now, and told to the sinks (before a
+        certification, at a stop)."""
+        self.journal.sync()
+        self._durable(None)
+
+    def _durable(self, upto: int | None) -> None:
+        """Tell the sinks of the records now on disk (all, or up to seq `upto`)."""
+        ready = [p for p in self._unsynced if upto is None or getattr(p[0], "seq", 0) <= upto]
+        self._unsynced = self._unsynced[len(ready) :]
+        for record, event in ready:
+            self.note(record, event)
 
     def note(self, record: Any, event: dict[str, Any]) -> None:
         """A record is on disk (written here, or by the journal itself: boot,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal
+from bastion import journal, journal_verify
 from bastion.core.events import EventType
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import PASSPHRASE, Bastion, make_bastion, secret_needles, wait_for
@@ -264,7 +264,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j.certify(key)
     j.close()
     assert len(journal.segments(tmp_path)) > 3
-    v = journal.verify(tmp_path, identity)
+    v = journal_verify.verify(tmp_path, identity)
     assert v.ok and v.records == 62, v.problem
     events = [
         e
@@ -277,4 +277,4 @@ def test_segments_rotate_by_size_and_verify_across_them(
     assert j2.open()[-1].seq == 62
     j2.certify(key)
     j2.close()
-    assert journal.verify(tmp_path, identity).records == 64
+    assert journal_verify.verify(tmp_path, identity).records == 64

@@ -128,7 +128,12 @@ class JournalHandle:
     boot: str
     alive: bool = True
 
-    def append(self, kind: EventType, meta: dict[str, Any], event: dict[str, Any]) -> Rec | None:
+    def sync(self) -> int:
+        return len(self.journal.records)
+
+    def append(
+        self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = True
+    ) -> Rec | None:
         if not self.alive:  # this lifetime was killed: nothing it does reaches the disk
             return None
         if kind is EventType.DISPATCH_STARTED and self.journal.fail_intents:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal
+from bastion import journal, journal_verify
 from bastion.core.events import EventType
 
 
@@ -36,15 +36,15 @@ def test_records_under_a_boot_key_never_certified_stay_uncertified(tmp_path: Pat
     later.certify(secret)  # the operator's next unlock certifies its own boot key...
     later.close()
 
-    report = journal.verify(directory, ident)
+    report = journal_verify.verify(directory, ident)
     assert report.ok  # the chain itself is whole
     assert [u["boot"] for u in report.uncertified] == ["boot_forged"]  # ...and no other's
     assert any("never certified" in note and "boot_forged" in note for note in report.notes)
-    strict = journal.verify(directory, ident, strict=True)
+    strict = journal_verify.verify(directory, ident, strict=True)
     assert not strict.ok and "boot_forged" in (strict.problem or "")
     assert strict.problem is not None and "uncertified" in strict.problem
 
-    spans = journal.uncertified_boots(journal.records(directory), ident)
+    spans = journal_verify.uncertified_boots(journal.records(directory), ident)
     assert list(spans) == ["boot_forged"] and spans["boot_forged"][2] == 3  # boot + 2
 
 
@@ -57,5 +57,5 @@ def test_a_boot_key_cannot_be_announced_twice(tmp_path: Path) -> None:
     first.close()
     again = lifetime(directory, ident, "boot_a", 1)  # same boot id, another key
     again.close()
-    report = journal.verify(directory, ident)
+    report = journal_verify.verify(directory, ident)
     assert not report.ok and "announced a key twice" in (report.problem or "")

@@ -1,0 +1,189 @@
+"""Checking a journal from its files alone: `verify` (order, chain, signatures,
+certifications, head.json) and `uncertified_boots` (records no certification of the
+journal identity covers). Needs the public identity only -- no passphrase, no
+gateway. The format itself (records, chain, writer) is `journal.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from bastion.core.events import EventType
+from bastion.journal import (
+    _RAW,
+    GENESIS,
+    Identity,
+    Line,
+    Record,
+    _cert_message,
+    _unb64,
+    chain_hash,
+    read_lines,
+)
+
+
+def uncertified_boots(recs: Iterable[Record], identity: Identity) -> dict[str, list[int]]:
+    """Boots with records whose own key no certification by the journal identity
+    covers: boot -> [first seq, last seq, records]. What a new lifetime reports as
+    `foreign_records` at unlock (full checking is `verify`'s job)."""
+    spans: dict[str, list[int]] = {}
+    certified: set[str] = set()
+    for r in recs:
+        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
+        span[1], span[2] = r.seq, span[2] + 1
+        if r.type == EventType.CERTIFY.value:
+            with contextlib.suppress(KeyError, ValueError, InvalidSignature):
+                key, head = _unb64(r.meta["boot_key"]), bytes.fromhex(r.meta["head"])
+                identity.signing.verify(_unb64(r.meta["cert"]), _cert_message(r.boot, key, head))
+                certified.add(r.boot)
+    return {boot: span for boot, span in spans.items() if boot not in certified}
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    records: int = 0
+    problem: str | None = None  # the first bad record, named, and why
+    notes: list[str] = field(default_factory=list)
+    uncertified: list[dict[str, Any]] = field(default_factory=list)  # boots never certified
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "records": self.records,
+            "problem": self.problem,
+            "notes": self.notes,
+            "uncertified": self.uncertified,
+        }
+
+
+def verify(
+    directory: Path, identity: Identity, expect_head: str | None = None, strict: bool = False
+) -> VerifyReport:
+    """Check every record: order, chain, signatures, certifications, head.
+
+    Needs no passphrase and no gateway: only public keys are involved.
+    """
+    v = VerifyReport(ok=True)
+
+    def bad(line: Line | None, why: str) -> VerifyReport:
+        where = f"{line.path.name}:{line.number}" if line else "journal"
+        seq = f" (seq {line.record.seq})" if line and line.record else ""
+        v.ok, v.problem = False, f"{where}{seq}: {why}"
+        return v
+
+    boot_keys: dict[str, Ed25519PublicKey] = {}
+    spans: dict[str, list[int]] = {}  # boot -> [first seq, last seq, records]
+    certified: set[str] = set()  # boots whose own key the journal identity certified
+    prev, expected, certified_to = GENESIS, 1, 0
+    found_head = expect_head is None
+    last_line: Line | None = None
+    lines = list(read_lines(directory))
+    present = {line.record.seq for line in lines if line.record is not None}
+    for line in lines:
+        last_line = line
+        if line.torn:
+            return bad(line, "torn: the last line is incomplete (the gateway stopped mid-write)")
+        r = line.record
+        if r is None:
+            return bad(line, "edited: not a well-formed record")
+        if r.seq < expected:
+            return bad(line, f"reordered: seq {r.seq} after {expected - 1}")
+        if r.seq > expected and expected in present:
+            return bad(line, f"reordered: seq {r.seq} where {expected} belongs")
+        if r.seq > expected:
+            return bad(line, f"deleted: seq {expected}..{r.seq - 1} missing")
+        digest = chain_hash(prev, r.seq, r.body())
+        if digest.hex() != r.hash:
+            return bad(line, "edited: its content or its place in the chain changed")
+        if r.type == EventType.BOOT.value:
+            if r.boot in boot_keys:
+                return bad(line, f"edited: boot {r.boot} announced a key twice")
+            try:
+                boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
+            except (KeyError, ValueError):
+                return bad(line, "edited: malformed boot record")
+        key = boot_keys.get(r.boot)
+        if key is None:
+            return bad(line, f"unsigned: boot {r.boot} never announced its key")
+        try:
+            key.verify(_unb64(r.sig), digest)
+        except (InvalidSignature, ValueError):
+            return bad(line, "bad signature")
+        if r.type == EventType.CERTIFY.value:
+            try:
+                boot_key = _unb64(r.meta["boot_key"])
+                if boot_key != key.public_bytes(*_RAW) or r.meta["head"] != prev.hex():
+                    raise ValueError("certifies another key or head")
+                identity.signing.verify(
+                    _unb64(r.meta["cert"]), _cert_message(r.boot, boot_key, prev)
+                )
+            except (KeyError, ValueError, InvalidSignature):
+                return bad(
+                    line,
+                    "bad signature: the certification does not verify with the "
+                    "journal identity (a rebuilt or re-signed chain)",
+                )
+            certified_to = r.seq
+            certified.add(r.boot)
+        span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
+        span[1], span[2] = r.seq, span[2] + 1
+        if expect_head is not None and r.hash == expect_head:
+            found_head = True
+        prev, expected = digest, expected + 1
+        v.records += 1
+    if v.records and certified_to == 0:
+        return bad(
+            last_line,
+            "unsigned: no record was ever certified by the journal identity "
+            "(unlock the gateway once to certify its journal)",
+        )
+    anchor = directory / "head.json"
+    if anchor.exists():
+        try:
+            h = json.loads(anchor.read_text())
+            if int(h["seq"]) > v.records:
+                return bad(
+                    last_line,
+                    f"truncated: head.json names seq {h['seq']}, the journal ends at {v.records}",
+                )
+        except (ValueError, KeyError, TypeError):
+            v.notes.append("head.json is unreadable")
+    if not found_head:
+        return bad(last_line, f"truncated: no record has the expected head hash {expect_head}")
+    # A certification vouches for the boot key that wrote it, never for another's
+    # records: a boot whose key was never certified stays uncertified for good.
+    v.uncertified = [
+        {"boot": boot, "first": a, "last": z, "records": n}
+        for boot, (a, z, n) in spans.items()
+        if boot not in certified
+    ]
+    for u in v.uncertified:
+        v.notes.append(
+            f"{u['records']} record(s), seq {u['first']}..{u['last']}, are signed by boot key "
+            f"{u['boot']}, which the journal identity never certified: written by a gateway "
+            "that was never unlocked, or by someone else (`audit verify --witness` tells)"
+        )
+    if strict and v.uncertified:
+        return bad(
+            last_line,
+            f"uncertified: seq {v.uncertified[0]['first']}..{v.uncertified[0]['last']} are "
+            f"signed by boot key {v.uncertified[0]['boot']}, never certified (--strict)",
+        )
+    uncovered = v.records - certified_to
+    if uncovered:
+        v.notes.append(
+            f"{uncovered} record(s) after seq {certified_to} are signed by their "
+            "boot key but not yet certified (certified at the next unlock)"
+        )
+        if strict:
+            return bad(last_line, "unsigned: uncertified records at the end (--strict)")
+    return v
