@@ -24,11 +24,18 @@ from bastion.core.contract import Code
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
 from bastion.core.events import CAUSE_LOST, Outcome, Result
 from bastion.core.policy import Account, Host
+from bastion.gateway.pool import Pool
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
 
 CHUNK = 64 * 1024
+REFUSED_RETRIES = 4  # connections tried when targets refuse channels (MaxSessions)
+
+
+class _ChannelRefused(Exception):
+    """The target refused a session channel on a connection that carries others
+    (sshd's MaxSessions): another connection may take it."""
 
 
 class NotStarted(Exception):
@@ -92,14 +99,12 @@ class Dispatcher:
         private_key: Callable[[str], asyncssh.SSHKey],
         keepalive_interval: float = KEEPALIVE_INTERVAL,
         keepalive_count_max: int = KEEPALIVE_COUNT_MAX,
+        pool: Pool | None = None,
     ) -> None:
         self._private_key = private_key
         self.keepalive_interval = keepalive_interval
         self.keepalive_count_max = keepalive_count_max
-        self._pool: dict[PoolKey, tuple[asyncssh.SSHClientConnection, _Tracked]] = {}
-        self._locks: dict[PoolKey, asyncio.Lock] = {}
-        self._active: dict[asyncssh.SSHClientConnection, int] = {}
-        self._retired: set[asyncssh.SSHClientConnection] = set()
+        self.pool = pool or Pool()
 
     async def _connect(self, host: Host, account: Account) -> asyncssh.SSHClientConnection:
         pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
@@ -165,56 +170,18 @@ class Dispatcher:
             ) from exc
         return conn
 
-    async def connection(
-        self, host: Host, account: Account, vault_epoch: int
-    ) -> asyncssh.SSHClientConnection:
-        """A live connection for this exact (target, account, key, pin, epoch)."""
-        key: PoolKey = (
-            host.address,
-            host.port,
-            account.user,
-            account.credential,
-            host.host_key,
-            vault_epoch,
-        )
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            cached = self._pool.get(key)
-            if cached is not None and not cached[1].lost:
-                return cached[0]
-            conn = await self._connect(host, account)
-            self._pool[key] = (conn, conn.get_owner())  # type: ignore[assignment]
-            return conn
-
     def held(self) -> int:
         """Connections that still hold the key they authenticated with."""
-        return len(self._pool) + len(self._retired)
+        return self.pool.held()
 
     def close_all(self) -> None:
         """Drop every outbound connection (gateway stopping)."""
-        for conn, _ in self._pool.values():
-            conn.close()
-        self._pool.clear()
+        self.pool.close_all()
 
     def retire_all(self) -> None:
         """The vault changed state: no pooled connection is reused. Idle ones
         close now; busy ones finish the command they were decided for."""
-        for conn, _ in self._pool.values():
-            if self._active.get(conn, 0):
-                self._retired.add(conn)
-            else:
-                conn.close()
-        self._pool.clear()
-
-    def _release(self, conn: asyncssh.SSHClientConnection) -> None:
-        left = self._active.get(conn, 1) - 1
-        if left > 0:
-            self._active[conn] = left
-            return
-        self._active.pop(conn, None)
-        if conn in self._retired:
-            self._retired.discard(conn)
-            conn.close()
+        self.pool.retire_all()
 
     async def run(
         self,
@@ -230,17 +197,44 @@ class Dispatcher:
         """Connect, exec, relay, classify. `intent` runs once the session
         channel is open and immediately before the exec request is sent, with
         no await in between: it re-decides and journals, and refuses by raising."""
-        try:
-            conn = await self.connection(host, account, vault_epoch)
-        except NotStarted as exc:
-            return Result(
-                Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
-            )
-        self._active[conn] = self._active.get(conn, 0) + 1
-        try:
-            return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
-        finally:
-            self._release(conn)
+        key: PoolKey = (
+            host.address,
+            host.port,
+            account.user,
+            account.credential,
+            host.host_key,
+            vault_epoch,
+        )
+
+        async def connect() -> tuple[asyncssh.SSHClientConnection, Callable[[], bool]]:
+            conn = await self._connect(host, account)
+            tracked: _Tracked = conn.get_owner()  # type: ignore[assignment]
+            return conn, lambda: tracked.lost
+
+        why = "open failed"
+        for _ in range(REFUSED_RETRIES):
+            try:
+                slot = await self.pool.acquire(key, connect)
+            except NotStarted as exc:
+                return Result(
+                    Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
+                )
+            try:
+                return await self._exec(host, slot.conn, command, agent, intent, on_exec, abandon)
+            except _ChannelRefused as exc:
+                why = str(exc)
+                if slot.active <= 1:
+                    break  # refused on a connection that carries nothing else
+                self.pool.refused(slot)  # its MaxSessions is lower: another connection
+            finally:
+                await self.pool.release(slot)
+        return Result(
+            Outcome.NOT_STARTED,
+            code=Code.UNREACHABLE,
+            message=f'"{host.alias}" refused a new session ({why}); nothing ran. '
+            "It is safe to retry later.",
+            cause="session_refused",
+        )
 
     async def _exec(
         self,
@@ -267,13 +261,9 @@ class Dispatcher:
                     message=f'"{host.alias}" refused to start the command; it did not run.',
                     cause="exec_refused",
                 )
-            return Result(
-                Outcome.NOT_STARTED,
-                code=Code.UNREACHABLE,
-                message=f'"{host.alias}" refused a new session ({exc.reason}); nothing ran. '
-                "It is safe to retry later.",
-                cause="session_refused",
-            )
+            # The channel itself was refused, before the intent: nothing was decided
+            # or sent. sshd says "open failed" when MaxSessions is reached.
+            raise _ChannelRefused(exc.reason) from exc
         except (OSError, asyncssh.Error) as exc:
             return _unknown(host, f"the connection failed while the command was sent: {exc}")
         on_exec(proc)
