@@ -17,6 +17,11 @@ run without a witness the operator asked for. A missing file means defaults
     [export]
     with_commands = false    # the syslog stream's per-request summaries carry no
                              # command text unless this is true
+
+    [limits]
+    inflight = 128           # commands dispatched at once; past it they queue,
+                             # each subject in turn
+    queue_wait = 30          # seconds a queued command waits before GATEWAY_BUSY
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
+
 WITNESS_KEYS = ("file", "syslog", "every", "buffer_max", "when_full")
 EXPORT_KEYS = ("with_commands",)
+LIMITS_KEYS = ("inflight", "queue_wait")
 WHEN_FULL = ("continue", "refuse")
 
 
@@ -61,9 +69,16 @@ class WitnessConfig:
 
 
 @dataclass(frozen=True)
+class Limits:
+    inflight: int = MAX_INFLIGHT
+    queue_wait: float = QUEUE_WAIT
+
+
+@dataclass(frozen=True)
 class Config:
     witness: WitnessConfig = WitnessConfig()
     export_with_commands: bool = False
+    limits: Limits = Limits()
 
 
 def _unknown(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -95,7 +110,7 @@ def parse_config(text: str, source: str) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    _unknown(data, ("witness", "export"), source)
+    _unknown(data, ("witness", "export", "limits"), source)
     raw = data.get("witness", {})
     if not isinstance(raw, dict):
         raise ConfigError(f'{source}: "witness" must be a table: [witness]')
@@ -120,6 +135,7 @@ def parse_config(text: str, source: str) -> Config:
     with_commands = export.get("with_commands", False)
     if type(with_commands) is not bool:
         raise ConfigError(f'{source}: [export]: "with_commands" must be true or false')
+    limits = _limits(data.get("limits", {}), source)
     witness = WitnessConfig(
         file=Path(file) if file else None,
         syslog=_syslog(raw["syslog"], where) if "syslog" in raw else None,
@@ -127,7 +143,21 @@ def parse_config(text: str, source: str) -> Config:
         buffer_max=buffer_max,
         when_full=when_full,
     )
-    return Config(witness, with_commands)
+    return Config(witness, with_commands, limits)
+
+
+def _limits(raw: object, source: str) -> Limits:
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{source}: "limits" must be a table: [limits]')
+    where = f"{source}: [limits]"
+    _unknown(raw, LIMITS_KEYS, where)
+    inflight = raw.get("inflight", MAX_INFLIGHT)
+    if type(inflight) is not int or inflight < 1:
+        raise ConfigError(f'{where}: "inflight" must be a whole number >= 1')
+    wait = raw.get("queue_wait", QUEUE_WAIT)
+    if type(wait) not in (int, float) or not 0 < wait <= 3600:
+        raise ConfigError(f'{where}: "queue_wait" must be a number of seconds, 0 < s <= 3600')
+    return Limits(inflight, float(wait))
 
 
 def load_config(path: Path) -> Config:

@@ -289,6 +289,16 @@ def lock(ctx: click.Context, terminate: bool) -> None:
     )
 
 
+def load_line(load: dict[str, Any] | None) -> str:
+    """Backpressure ([limits] in bastion.toml): in flight, queued, refused busy."""
+    if not load:
+        return "load:      -"
+    return (
+        f"load:      {load['inflight']} command(s) in flight (limit {load['limit']}), "
+        f"{load['waiting']} queued, {load['busy_refused']} refused GATEWAY_BUSY since start"
+    )
+
+
 def witness_lines(w: dict[str, Any] | None) -> list[str]:
     """How far behind the witness is, per target, and why (bastion.toml's [witness])."""
     if w is None:
@@ -342,6 +352,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"agents:    {listener(listeners.get('agent'))}",
             f"operator:  {listener(listeners.get('operator'))}",
             f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
+            load_line(s.get("load")),
             f"boot:      {s['boot_id']}",
             *witness_lines(s.get("witness")),
             *(f"WARNING {foreign_warning(span)}" for span in s.get("foreign_records") or []),

@@ -40,6 +40,7 @@ class Code(enum.Enum):
     TARGET_AUTH_FAILED = "TARGET_AUTH_FAILED"
     STATUS_UNKNOWN = "STATUS_UNKNOWN"
     INTERNAL = "INTERNAL"
+    GATEWAY_BUSY = "GATEWAY_BUSY"
 
     @property
     def exit_status(self) -> int:
@@ -70,6 +71,9 @@ CONTRACT: dict[Code, tuple[Exit, bool]] = {
     Code.TARGET_AUTH_FAILED: (Exit.NOT_REACHED, False),
     Code.STATUS_UNKNOWN: (Exit.STATUS_UNKNOWN, False),
     Code.INTERNAL: (Exit.INTERNAL, False),
+    # Too many commands in flight for too long: nothing was sent, and the same
+    # request a little later may well run (sysexits' EX_UNAVAILABLE, like UNREACHABLE).
+    Code.GATEWAY_BUSY: (Exit.NOT_REACHED, True),
 }
 
 

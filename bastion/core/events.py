@@ -243,7 +243,12 @@ def request_state(
         elif kind is EventType.DISPATCH_STARTED:
             dispatched = True
         elif kind is EventType.DENIED:
-            state.update(state=RequestState.DENIED.value, code=entry.meta.get("code"))
+            code = entry.meta.get("code")
+            # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.
+            retry = code in {c.value for c in Code if c.retryable}
+            state.update(
+                state=(RequestState.RETRY_SAFE if retry else RequestState.DENIED).value, code=code
+            )
         elif kind is EventType.COMPLETED:
             state.update(
                 state=RequestState.COMPLETED.value, exit_status=entry.meta.get("exit_status")

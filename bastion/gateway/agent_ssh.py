@@ -55,7 +55,10 @@ HEADER_TIMEOUT = 5.0
 OVER_CAP_WAIT = 1.0  # seconds to wait for the header of a connection refused by the cap
 MAX_CONVERSATION = 256
 MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
-MAX_CONNECTIONS_PER_UID = 64
+# A uid's open agent connections. Each costs a descriptor and a little memory, not a
+# dispatch (that is `[limits] inflight`); an agent's finished connection can linger
+# a moment while its next one opens, so 64 busy agents hold up to about 128.
+MAX_CONNECTIONS_PER_UID = 256
 MAX_EXTRA_SESSIONS = 8  # answered per connection; beyond, a channel is refused at open
 ACCEPT_RETRY = (0.05, 1.0)  # seconds: first and longest pause after a failed accept
 # accept errors that concern one connection only: retried at once

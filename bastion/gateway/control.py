@@ -149,6 +149,7 @@ class Control:
             "isolation": gw.isolation(),
             "journal": {
                 "seq": gw.journal.seq,
+                "synced_seq": gw.journal.synced_seq,  # durable (group commit) up to here
                 "appends": gw.journal.appends,
                 "fsyncs": gw.journal.fsyncs,
                 "append_seconds": gw.journal.append_seconds,
@@ -160,6 +161,13 @@ class Control:
             "agent_socket": str(gw.settings.agent_socket),
             "listeners": gw.listeners_health(),
             "keys_held": gw.keys_held(),
+            # Backpressure: commands in flight, queued for a slot, refused GATEWAY_BUSY.
+            "load": {
+                "inflight": gw.service.admission.inflight,
+                "limit": gw.service.admission.limit,
+                "waiting": gw.service.admission.waiting(),
+                "busy_refused": gw.service.admission.refused,
+            },
             # How far behind the witness is (None: bastion.toml asks for none).
             "witness": gw.witness.health() if gw.witness is not None else None,
             # Records no certification of this identity covers, found at the last unlock.

@@ -41,6 +41,7 @@ from bastion.core.events import EventType, recover
 from bastion.core.policy import PolicyError
 from bastion.core.subject import Peer, ProcessKey, Subject
 from bastion.gateway import opserver
+from bastion.gateway.admission import Admission
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
@@ -138,6 +139,7 @@ class Gateway:
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
             refusing=self.witness.refusing if self.witness is not None else lambda: None,
+            admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
         )
@@ -165,6 +167,7 @@ class Gateway:
         if self.vault.locked:
             return
         try:
+            self.recorder.flush()  # the sinks hear of every earlier record first
             record = self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
             self.recorder.note(record, {})
         except (VaultError, OSError, JournalError) as exc:
@@ -342,6 +345,7 @@ class Gateway:
             self.recorder.record(EventType.GATEWAY_STOPPED, {})
             self.certify()
             self.vault.lock()
+            self.recorder.flush()
             self.journal.close()
             if self.witness is not None:
                 self.witness.close()  # a bounded wait; what is left stays in the spool
@@ -403,7 +407,9 @@ def rides_a_master(peer: Peer) -> bool:
         return False
     if not alive(ssh.pid, ssh.start_time):
         return True
-    return any(serves_control_socket(pid) is True for pid in (ssh.pid, *children(ssh.pid)))
+    if serves_control_socket(ssh.pid, holds_our_connection=True) is True:
+        return True
+    return any(serves_control_socket(pid) is True for pid in children(ssh.pid))
 
 
 def harden_process() -> list[str]:

@@ -55,6 +55,7 @@ from bastion.core.gate import (
 )
 from bastion.core.policy import Account, Host, Policy, PolicyError
 from bastion.core.subject import Peer, Subject
+from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
@@ -189,6 +190,7 @@ class Service:
         refresh: Callable[[Subject], Subject] = lambda s: s,
         rides_a_master: Callable[[Peer], bool] = lambda p: False,
         refusing: Callable[[], str | None] = lambda: None,
+        admission: Admission | None = None,
         schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
         clock: Callable[[], float] = time.time,
         approval_timeout: float = APPROVAL_TIMEOUT,
@@ -204,9 +206,9 @@ class Service:
         self.watch = watch
         self.refresh = refresh
         self.rides_a_master = rides_a_master
-        # Why no new work is taken (the witness buffer is full and bastion.toml says
-        # refuse), or None: asked before the gate, so nothing is dispatched unwitnessed.
+        # Why no new work is taken (a full witness buffer, when_full = refuse), or None.
         self.refusing = refusing
+        self.admission = admission or Admission(limit=None)  # tests: no limit unless asked
         self.schedule = schedule
         self.clock = clock
         self.approval_timeout = approval_timeout
@@ -284,7 +286,10 @@ class Service:
         if isinstance(decided, Failure):
             return self._denied(conn, req, decided)
         try:
-            return await self.dispatch(conn, req, conversation, decided, streams)
+            async with self.admission.slot(conn.peer.subject.key):
+                return await self.dispatch(conn, req, conversation, decided, streams)
+        except Busy as busy:
+            return self._denied(conn, req, busy.failure(req.request_id))
         except NotDispatched as refused:
             return self._denied(conn, req, refused.failure)
         finally:

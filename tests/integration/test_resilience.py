@@ -23,6 +23,7 @@ from typing import Any
 
 from bastion import opsock
 from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.gateway.agent_ssh import MAX_CONNECTIONS_PER_UID
 from tests.harness import (
     Bastion,
     approved_agent,
@@ -289,15 +290,20 @@ def test_a_uid_over_its_connection_cap_is_told_why(bastion: Bastion) -> None:
     path = str(bastion.home.agent_socket)
     idle: list[socket.socket] = []
     try:
-        for _ in range(64):  # the default cap; the gateway closes them after 5 s
+        for _ in range(MAX_CONNECTIONS_PER_UID):  # the default cap; closed after 5 s
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             idle.append(s)
-        wait_for(lambda: bastion.op("status")["listeners"]["agent"]["connections"] >= 64)
+        wait_for(
+            lambda: (
+                bastion.op("status")["listeners"]["agent"]["connections"] >= MAX_CONNECTIONS_PER_UID
+            )
+        )
         got, ended = exchange(bastion.home.agent_socket, HEADER % bastion.sshd.user.encode())
         assert ended in ("eof", "reset")  # reset: closed with our header unread
         assert got.startswith(b"ERR too many connections from uid ")
-        assert b"(limit 64); close idle ssh connections and retry" in got
+        limit = f"(limit {MAX_CONNECTIONS_PER_UID}); close idle ssh connections and retry"
+        assert limit.encode() in got
         refused = agent.run("echo over-the-cap")
         assert refused.rc == 255
         assert refused.code == "INTERNAL" and "too many connections" in refused.error["message"]
@@ -319,7 +325,7 @@ def test_an_emfile_storm_on_the_agent_socket_is_survived(
     descriptor too) is no answer, not an unhealthy one."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     try:
-        start_daemon_limited(b, 40)  # soft and hard: below the per-uid cap of 64
+        start_daemon_limited(b, 40)  # soft and hard: below the per-uid cap
         b.unlock()
         assert b.daemon is not None
         pid = b.daemon.pid

@@ -8,12 +8,18 @@ from bastion.core.contract import CONTRACT, Code, Exit, Failure
 
 
 def test_every_code_is_distinct_and_in_the_table() -> None:
-    assert len({c.value for c in Code}) == len(Code) == 15
+    assert len({c.value for c in Code}) == len(Code) == 16
     assert set(CONTRACT) == set(Code)
 
 
 def test_exit_statuses_follow_design_section_4() -> None:
-    not_reached = {Code.UNREACHABLE, Code.HOST_KEY_MISMATCH, Code.TARGET_AUTH_FAILED}
+    # GATEWAY_BUSY (issue 11, docs/architecture.md): nothing was sent, retry later.
+    not_reached = {
+        Code.UNREACHABLE,
+        Code.HOST_KEY_MISMATCH,
+        Code.TARGET_AUTH_FAILED,
+        Code.GATEWAY_BUSY,
+    }
     for code in Code:
         if code in not_reached:
             assert code.exit_status == 69
@@ -23,7 +29,7 @@ def test_exit_statuses_follow_design_section_4() -> None:
             assert code.exit_status == 70
         else:
             assert code.exit_status == Exit.DENIED == 77
-    assert [c for c in Code if c.retryable] == [Code.UNREACHABLE]
+    assert [c for c in Code if c.retryable] == [Code.UNREACHABLE, Code.GATEWAY_BUSY]
 
 
 def test_failure_line_is_one_json_object_with_the_contract_keys() -> None:

@@ -20,6 +20,7 @@ from bastion.core.events import EventType, Outcome, Result, recover
 from bastion.core.gate import Request
 from bastion.core.policy import PolicyError
 from bastion.gateway import authority as authority_mod
+from bastion.gateway.admission import Admission
 from bastion.gateway.approvals import CardError
 from bastion.gateway.service import AgentConn, new_request_id
 from bastion.vault import WrongPassphrase
@@ -400,6 +401,54 @@ async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gat
     waiting = rig.send(rig.life.connect(rig.tree.spawn()))
     await rig.card()
     waiting.cancel()
+
+
+async def approved_in_flight(r: Rig) -> tuple[AgentConn, asyncio.Task[Result | Failure]]:
+    """An agent whose approved command holds its in-flight slot (the target is slow)."""
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn)
+    await r.approve()
+    await idle()
+    return conn, task
+
+
+async def test_past_the_in_flight_limit_a_command_waits_then_is_told_busy() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    r.life.service.admission = Admission(limit=1, wait=0.05)
+    _, first = await approved_in_flight(r)
+    conn = r.life.connect(r.tree.spawn())
+    second = r.send(conn)
+    await r.approve()
+    result = await asyncio.wait_for(second, 5)
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+    assert result.code.retryable and len(r.outbound.calls) == 1  # only the first left
+    assert r.journal.for_request(result.request_id)[-1] == "denied"
+    assert "dispatch_started" not in r.journal.for_request(result.request_id)
+    await r.finished()
+    assert isinstance(await first, Result)
+    again = r.send(conn)  # a slot is free again
+    await r.finished()
+    assert isinstance(await again, Result)
+
+
+async def test_a_lock_while_queued_stops_the_command_when_its_turn_comes() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    r.life.service.admission = Admission(limit=1, wait=30)
+    _, first = await approved_in_flight(r)
+    second = r.send(r.life.connect(r.tree.spawn()))
+    await r.approve()
+    await idle()
+    assert r.life.service.admission.waiting() == 1
+    await r.life.authority.lock(terminate=False)
+    await r.finished()
+    await first
+    await r.connected()  # its turn: the final check runs as the channel opens
+    result = await asyncio.wait_for(second, 5)
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert r.outbound.sent == []  # neither left: the lock came before either channel opened
+    assert r.life.service.admission.inflight == 0
 
 
 async def test_wrong_passphrases_in_a_row_cost_ever_longer(
