@@ -20,7 +20,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bastion.devtools.sshd_fixture import Sshd  # noqa: E402
+from bench.load import bench_sshd  # noqa: E402
 from tests.harness import Agent, Bastion, Result, make_bastion  # noqa: E402
 
 BLOB_SIZE = 32 << 20
@@ -58,11 +58,11 @@ def stats(xs: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(xs) * 1e3, "p90_ms": p90 * 1e3, "min_ms": min(xs) * 1e3}
 
 
-def bench(root: Path, n: int) -> dict[str, Any]:
+def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) -> dict[str, Any]:
     key = root / "id_ed25519"
     keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f", str(key)]
     subprocess.run(keygen, check=True, timeout=30)
-    sshd = Sshd(root / "sshd", authorized_keys=[key.with_suffix(".pub").read_text().strip()])
+    sshd = bench_sshd(root, key.with_suffix(".pub").read_text().strip(), clean)
     bastion: Bastion | None = None
     try:
         info = sshd.start()
@@ -99,14 +99,14 @@ def bench(root: Path, n: int) -> dict[str, Any]:
         # The gateway times its own journal appends (fsyncs included) on the real path.
         journal_after = bastion.op("status")["journal"]
         blob = root / "blob"
-        data = os.urandom(BLOB_SIZE)
+        data = os.urandom(blob_size)
         blob.write_bytes(data)
         digest = hashlib.sha256(data).hexdigest()
         cat_s: dict[str, list[float]] = {"direct": [], "bastion": []}
         for _ in range(THROUGHPUT_RUNS):
             for k in cat_s:
                 dt, r = timed(agent, "cat", paths[k], fails[k], stdin_path=blob)
-                if r.stdout_len != BLOB_SIZE or r.stdout_sha256 != digest:
+                if r.stdout_len != blob_size or r.stdout_sha256 != digest:
                     raise RuntimeError(f"{k} cat returned {r.stdout_len} B, not the blob")
                 cat_s[k].append(dt)
     finally:
@@ -115,10 +115,11 @@ def bench(root: Path, n: int) -> dict[str, Any]:
         sshd.stop()
 
     out: dict[str, Any] = {"n": n, "latency": {k: stats(v) for k, v in lat.items()}}
+    out["blob_mib"] = blob_size >> 20
     d, b = out["latency"]["direct"], out["latency"]["bastion"]
     out["ratio_median"] = b["median_ms"] / d["median_ms"]
     out["ratio_p90"] = b["p90_ms"] / d["p90_ms"]
-    mb = BLOB_SIZE / 1e6
+    mb = blob_size / 1e6
     cat = {k: statistics.median(v) for k, v in cat_s.items()}
     out["throughput_MBps"] = {k: mb / t for k, t in cat.items()}
     # Streaming alone (estimate): the median cat minus the median `true` of that path.
@@ -175,8 +176,8 @@ def report(r: dict[str, Any]) -> str:
     lines.append(f"bastion/direct: median {r['ratio_median']:.2f}x, p90 {r['ratio_p90']:.2f}x")
     t, net = r["throughput_MBps"], r["throughput_net_MBps"]
     lines.append(
-        f"cat 32 MiB in+out, MB/s (median of {THROUGHPUT_RUNS}): direct {t['direct']:.0f}, "
-        f"bastion {t['bastion']:.0f}, ratio {r['throughput_ratio']:.2f}"
+        f"cat {r['blob_mib']} MiB in+out, MB/s (median of {THROUGHPUT_RUNS}): "
+        f"direct {t['direct']:.0f}, bastion {t['bastion']:.0f}, ratio {r['throughput_ratio']:.2f}"
     )
     lines.append(
         f"  same, minus connection setup (median true): direct {net['direct']:.0f}, "
@@ -204,10 +205,16 @@ def report(r: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=30, help="latency samples per path (>= 2)")
+    ap.add_argument("--blob-mb", type=int, default=BLOB_SIZE >> 20, help="cat's input, MiB")
+    ap.add_argument(
+        "--target-rc",
+        action="store_true",
+        help="let the target's shell read the user's real ~/.bashrc (default: an empty HOME)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bastion-bench-") as tmp:
-        result = bench(Path(tmp), max(args.n, 2))
+        result = bench(Path(tmp), max(args.n, 2), args.blob_mb << 20, not args.target_rc)
     print(json.dumps(result, indent=2) if args.json else report(result))
 
 
