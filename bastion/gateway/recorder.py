@@ -94,21 +94,26 @@ class Recorder:
 
     def _flush_soon(self) -> None:
         self._flush_at = None
-        if self._unsynced:
-            self._flushing = True
-            asyncio.get_running_loop().create_task(self._flush_in_thread())
-
-    async def _flush_in_thread(self) -> None:
-        try:
-            self._durable(await asyncio.to_thread(self.journal.sync))
+        if not self._unsynced:
+            return
+        try:  # a future, not a coroutine: a loop closing first leaves nothing unawaited
+            pending = asyncio.get_running_loop().run_in_executor(None, self.journal.sync)
         except RuntimeError:  # the loop is closing: no worker threads any more
             self.flush()
+            return
+        self._flushing = True
+        pending.add_done_callback(self._flushed)
+
+    def _flushed(self, done: asyncio.Future[int]) -> None:
+        self._flushing = False
+        if done.cancelled():
+            return
+        try:
+            self._durable(done.result())
         except OSError as exc:  # the records stay written; the next round tries again
             log.error("could not make the journal durable: %s", exc)
-        finally:
-            self._flushing = False
-            if self._unsynced:
-                self._schedule()
+        if self._unsynced:
+            self._schedule()
 
     def flush(self) -> None:
         """Everything written so far durable now, and told to the sinks (before a
