@@ -59,6 +59,7 @@ MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2
 # dispatch (that is `[limits] inflight`); an agent's finished connection can linger
 # a moment while its next one opens, so 64 busy agents hold up to about 128.
 MAX_CONNECTIONS_PER_UID = 256
+LOCAL_CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]
 MAX_EXTRA_SESSIONS = 8  # answered per connection; beyond, a channel is refused at open
 ACCEPT_RETRY = (0.05, 1.0)  # seconds: first and longest pause after a failed accept
 # accept errors that concern one connection only: retried at once
@@ -161,6 +162,11 @@ class AgentListener:
             login_timeout=30,
             keepalive_interval=30,
             config=None,
+            # The local leg: AES-GCM is one AEAD call per packet (AES-NI), where
+            # chacha20-poly1305 is several in asyncssh; the client's first choice wins,
+            # so chacha is not offered. Every OpenSSH since 6.2 speaks these.
+            encryption_algs=LOCAL_CIPHERS,
+            compression_algs=["none"],
         )
 
     def health(self) -> dict[str, Any]:

@@ -30,7 +30,16 @@ from bastion.vault import VaultError, VaultLocked
 log = logging.getLogger("bastion.outbound")
 
 CHUNK = 64 * 1024
-REFUSED_RETRIES = 4  # connections tried when targets refuse channels (MaxSessions)
+OUTBOUND_CIPHERS = [
+    "aes128-gcm@openssh.com",
+    "aes256-gcm@openssh.com",
+    "chacha20-poly1305@openssh.com",
+    "aes128-ctr",
+    "aes256-ctr",
+]
+# Channel refusals (MaxSessions) one command rides out: each lowers a connection's
+# capacity for good, so a burst learns the target's limit within a few of them.
+REFUSED_RETRIES = 16
 
 
 class _ChannelRefused(Exception):
@@ -142,6 +151,10 @@ class Dispatcher:
                     host_based_auth=False,
                     preferred_auth="publickey",
                     config=None,
+                    # AES-GCM first (one AEAD call per packet); chacha20 only if the
+                    # target offers nothing else. No compression.
+                    encryption_algs=OUTBOUND_CIPHERS,
+                    compression_algs=["none"],
                     keepalive_interval=self.keepalive_interval,
                     keepalive_count_max=self.keepalive_count_max,
                     connect_timeout=host.connect_timeout,
