@@ -20,7 +20,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.load import bench_sshd  # noqa: E402
+from load import bench_sshd  # noqa: E402  (bench/load.py, beside this file)
+
 from tests.harness import Agent, Bastion, Result, make_bastion  # noqa: E402
 
 BLOB_SIZE = 32 << 20
