@@ -270,12 +270,12 @@ class Witness:
         backlog past `buffer_max`), or None."""
         if self.config.when_full != "refuse" or not self._full:
             return None
-        errors = "; ".join(c.last_error for c in self.couriers if c.failing and c.last_error)
+        # The agent reads this: no collector address or error text (the operator's
+        # infrastructure), which `bastion status` shows the operator instead.
         return (
             f"the audit witness is {self.spool.waiting()} entries behind (buffer_max "
             f"{self.config.buffer_max}, when_full = refuse): new requests are refused "
-            f"until it catches up{f' ({errors})' if errors else ''}; retry later -- the "
-            "operator sees the backlog in `bastion status`"
+            "until it catches up; retry later -- the operator sees why in `bastion status`"
         )
 
     def health(self) -> dict[str, Any]:

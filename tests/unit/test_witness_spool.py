@@ -363,7 +363,9 @@ def test_past_buffer_max(tmp_path: Path, when_full: str, caplog: pytest.LogCaptu
         if when_full == "refuse":
             wait_until(lambda: w.health()["targets"]["file"]["failing"])
             message = w.refusing()
-            assert message and "5 entries behind" in message and "No such file" in message
+            assert message and "5 entries behind" in message and "retry later" in message
+            assert str(tmp_path) not in message  # the witness's path stays the operator's
+            assert "No such file" in w.health()["targets"]["file"]["last_error"]
         else:
             assert w.refusing() is None
         (tmp_path / "missing").mkdir()
