@@ -34,13 +34,14 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bastion.devtools.sshd_fixture import Sshd, find_template  # noqa: E402
+from bastion.devtools.sshd_fixture import Sshd  # noqa: E402
 from tests.harness import Agent, Bastion, make_bastion  # noqa: E402
 
 COMMAND = "true"
@@ -61,16 +62,17 @@ def bench_sshd(root: Path, pub: str, clean_home: bool) -> Sshd:
     shell reads the user's ~/.bashrc for every command (bash does when sshd runs
     it), and on a machine whose rc files start pyenv that is about 150 ms of CPU per
     command on *both* paths -- it would drown what is measured (`--target-rc`)."""
-    template = None
-    if clean_home:
-        home = root / "target-home"
-        home.mkdir(exist_ok=True)
-        text = find_template().read_text()
-        marker = "SetEnv BASTION_SSHD_FIXTURE=$fixture_id"
-        assert marker in text
-        template = root / "sshd_config.template"
-        template.write_text(text.replace(marker, f"{marker} HOME={home}"))
-    return Sshd(root / "sshd", authorized_keys=[pub], template=template)
+    return Sshd(root / "sshd", authorized_keys=[pub], session_home=clean_home)
+
+
+def wait_fds(pid: int, baseline: int, timeout: float = 10.0) -> int:
+    """The gateway's open descriptors once the agents' last connections have closed on
+    its side too (they close a moment after the clients exit): the count when it is
+    back to `baseline`, or whatever it is after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (fds := proc_status(pid)["fds"]) > baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return fds
 
 
 def reset_peak(pid: int) -> None:
@@ -94,7 +96,11 @@ class Rig:
     """One sshd, one bastion, and agents with approved sessions."""
 
     def __init__(
-        self, root: Path, clean_home: bool = True, bastion_toml: str | None = None
+        self,
+        root: Path,
+        clean_home: bool = True,
+        bastion_toml: str | None = None,
+        agent_env: dict[str, str] | None = None,
     ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,7 @@ class Rig:
         self.sshd = bench_sshd(root, pub, clean_home)
         self.bastion: Bastion | None = None
         self.bastion_toml = bastion_toml
+        self.agent_env = agent_env or {}
 
     def __enter__(self) -> Rig:
         info = self.sshd.start()
@@ -137,7 +144,7 @@ class Rig:
         assert b is not None
         agents: list[Agent] = []
         while len(agents) < n:
-            group = [b.agent() for _ in range(min(batch, n - len(agents)))]
+            group = [b.agent(**self.agent_env) for _ in range(min(batch, n - len(agents)))]
             rids = [a.start(COMMAND) for a in group]
             answered = 0
             deadline = time.monotonic() + 120
@@ -152,6 +159,32 @@ class Rig:
                     raise RuntimeError(f"an approved session failed: {r.stderr.strip()}")
             agents += group
         return agents
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What differs between runs, besides their size. `agent_shell` is the SHELL the
+    agents' ssh runs the ProxyCommand with: ssh always starts it as `$SHELL -c`, and
+    bash given a socket on stdin (ProxyUseFdpass) and no SHLVL reads ~/.bashrc first,
+    as if sshd had started it -- a cost direct ssh never pays (README, "Slow
+    commands")."""
+
+    target_rc: bool = False
+    inflight: int | None = None
+    agent_shell: str | None = None
+
+    def rig(self, root: Path) -> Rig:
+        toml = None if self.inflight is None else f"[limits]\ninflight = {self.inflight}\n"
+        env = {} if self.agent_shell is None else {"SHELL": self.agent_shell}
+        return Rig(root, clean_home=not self.target_rc, bastion_toml=toml, agent_env=env)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "target_rc": self.target_rc,
+            "inflight": self.inflight,
+            "agent_shell": self.agent_shell or os.environ.get("SHELL", "/bin/sh"),
+            "agent_shlvl": os.environ.get("SHLVL"),
+        }
 
 
 def one_round(agents: list[Agent], commands: int, argv: list[str] | None) -> dict[str, Any]:
@@ -184,11 +217,9 @@ def concurrency(
     commands: int,
     rounds: int,
     profile: Path | None,
-    clean: bool,
-    inflight: int | None = None,
+    setup: Setup,
 ) -> dict[str, Any]:
-    toml = None if inflight is None else f"[limits]\ninflight = {inflight}\n"
-    with Rig(root, clean_home=clean, bastion_toml=toml) as rig:
+    with setup.rig(root) as rig:
         agents = rig.approved_agents(n_agents)
         one_round(agents, 1, rig.direct)  # warm both paths: sshd's caches, the pool
         one_round(agents, 1, None)
@@ -196,6 +227,7 @@ def concurrency(
         reset_peak(rig.gateway_pid)  # the peak so far is the unlock's Argon2id (512 MiB)
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "bastion": []}
         spy = None
+        rss_by_round: list[float] = []
         for i in range(rounds):
             runs["direct"].append(one_round(agents, commands, rig.direct))
             if profile is not None and i == rounds - 1:
@@ -206,6 +238,7 @@ def concurrency(
                 )  # fmt: skip
                 time.sleep(1)  # py-spy attaches
             runs["bastion"].append(one_round(agents, commands, None))
+            rss_by_round.append(proc_status(rig.gateway_pid)["VmRSS"] / 1024)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                 spy.wait(60)
@@ -213,6 +246,7 @@ def concurrency(
         load = rig.bastion.op("status")["load"] if rig.bastion else {}
         for a in agents:
             a.close()
+        settled = wait_fds(rig.gateway_pid, base["fds"])
         # Every request the gateway saw has exactly one ending in the journal.
         assert rig.bastion is not None
         rows = json.loads(rig.bastion.cli("audit", "activity", "--json").stdout)
@@ -232,13 +266,14 @@ def concurrency(
     out["ratio_throughput"] = out["bastion"]["commands_per_s"] / out["direct"]["commands_per_s"]
     out["ratio_p95"] = out["bastion"]["p95_ms"] / out["direct"]["p95_ms"]
     out["gateway"] = {"peak_rss_mb": end["VmHWM"] / 1024, "rss_mb": end["VmRSS"] / 1024,
-                      "fds_before": base["fds"], "fds_after": end["fds"]}  # fmt: skip
+                      "fds_before": base["fds"], "fds_after": end["fds"],
+                      "fds_settled": settled, "rss_mb_by_round": rss_by_round}  # fmt: skip
     return out
 
 
-def soak(root: Path, total: int, clean: bool) -> dict[str, Any]:
+def soak(root: Path, total: int, setup: Setup) -> dict[str, Any]:
     """One agent, `total` sequential commands; RSS after the first 1,000 and at the end."""
-    with Rig(root, clean_home=clean) as rig:
+    with setup.rig(root) as rig:
         (agent,) = rig.approved_agents(1)
         base = proc_status(rig.gateway_pid)
         reset_peak(rig.gateway_pid)
@@ -266,7 +301,11 @@ def soak(root: Path, total: int, clean: bool) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = []
+    st = r["setup"]
+    lines = [
+        f"setup: agents' SHELL {st['agent_shell']} (SHLVL {st['agent_shlvl']}), target rc files "
+        f"{'read' if st['target_rc'] else 'not read (empty HOME)'}"
+    ]
     if "direct" in r:
         lines.append(f"{r['agents']} agents x {r['commands']} commands x {r['rounds']} round(s):")
         for path in ("direct", "bastion"):
@@ -280,7 +319,8 @@ def report(r: dict[str, Any]) -> str:
         lines.append(
             f"  bastion/direct: throughput {r['ratio_throughput']:.2f}x, p95 {r['ratio_p95']:.2f}x;"
             f" gateway peak RSS {g['peak_rss_mb']:.0f} MB, fds {g['fds_before']} -> "
-            f"{g['fds_after']}"
+            f"{g['fds_after']} (after the agents left: {g['fds_settled']}); RSS after each "
+            "bastion round " + ", ".join(f"{x:.0f}" for x in g["rss_mb_by_round"]) + " MB"
         )
         j = r["journal"]
         lines.append(
@@ -314,10 +354,14 @@ def main() -> None:
         action="store_true",
         help="let the target's shell read the user's real ~/.bashrc (default: an empty HOME)",
     )
+    ap.add_argument(
+        "--agent-shell",
+        help="SHELL for the agents' ssh, which runs the ProxyCommand with it (default: inherited)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    clean = not args.target_rc
-    out: dict[str, Any] = {}
+    setup = Setup(args.target_rc, args.inflight, args.agent_shell)
+    out: dict[str, Any] = {"setup": setup.describe()}
     with tempfile.TemporaryDirectory(prefix="bastion-load-") as tmp:
         if not args.no_concurrency:
             out.update(
@@ -327,12 +371,11 @@ def main() -> None:
                     args.commands,
                     args.rounds,
                     args.profile,
-                    clean,
-                    args.inflight,
+                    setup,
                 )
             )
         if args.soak:
-            out["soak"] = soak(Path(tmp) / "s", args.soak, clean)
+            out["soak"] = soak(Path(tmp) / "s", args.soak, setup)
     print(json.dumps(out, indent=2) if args.json else report(out))
 
 

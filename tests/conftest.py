@@ -73,3 +73,10 @@ def bastion(tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]) -> Ite
         yield b
     finally:
         b.close()
+
+
+@pytest.fixture
+def target(tmp_path: Path, client_key: tuple[Path, str]) -> Iterator[Sshd]:
+    """A target sshd of this test's own, which it may kill, freeze or cut off."""
+    with Sshd(tmp_path / "target-sshd", authorized_keys=[client_key[1]]) as server:
+        yield server

@@ -12,9 +12,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import getpass
+import grp
 import itertools
 import json
 import os
+import pwd
 import queue
 import re
 import select
@@ -83,7 +85,10 @@ class Agent:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {})},
+            # ssh runs the ProxyCommand as `$SHELL -c`, and bash with a socket on stdin
+            # (ProxyUseFdpass) and no SHLVL reads ~/.bashrc first: on a machine whose rc
+            # starts pyenv that is ~150 ms per command and a lock 64 agents queue on.
+            env={**os.environ, "SHELL": "/bin/sh", **(env or {})},
         )
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}
@@ -458,3 +463,13 @@ def witness_caught_up(b: Bastion, timeout: float = 30.0) -> dict[str, Any]:
 
     wait_for(done, timeout)
     return b.op("status")["witness"]
+
+
+def remove_user(name: str) -> None:
+    """Remove a test's system user and group, if they exist (root only)."""
+    with contextlib.suppress(KeyError):
+        pwd.getpwnam(name)
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+    with contextlib.suppress(KeyError):
+        grp.getgrnam(name)
+        subprocess.run(["groupdel", name], capture_output=True, timeout=60)

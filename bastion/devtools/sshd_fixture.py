@@ -95,8 +95,14 @@ class Sshd:
         authorized_keys: list[str] | tuple[str, ...] = (),
         sshd_path: str = "/usr/sbin/sshd",
         template: Path | None = None,
+        session_home: bool = True,
     ) -> None:
+        """`session_home`: sessions get an empty HOME of their own, so the target's shell
+        reads none of the user's rc files -- on a machine whose ~/.bashrc starts pyenv,
+        every command would cost ~150 ms of CPU, and a command killed mid-rc by a test
+        leaves pyenv's lock behind, stalling every later shell for a minute."""
         self.run_dir = Path(run_dir)
+        self.session_home = session_home
         self.sshd_path = sshd_path
         self.template = template
         self.config_path = self.run_dir / "sshd_config"
@@ -317,6 +323,11 @@ class Sshd:
             )
         except (KeyError, ValueError) as e:
             raise SshdError(f"bad placeholder in sshd config template: {e}") from e
+        tag = f"SetEnv {SESSION_TAG_ENV}={self.fixture_id}"
+        if self.session_home and tag in text:
+            home = self.run_dir / "session-home"
+            home.mkdir(mode=0o700, exist_ok=True)
+            text = text.replace(tag, f"{tag} HOME={home}")
         self.config_path.write_text(text, encoding="utf-8")
 
     def _validate_config(self) -> None:

@@ -37,19 +37,10 @@ from typing import Any
 import pytest
 
 from bastion import isolation
-from tests.harness import USER, Bastion, Terminal, make_bastion, policy_toml, wait_for
+from tests.harness import USER, Bastion, Terminal, make_bastion, policy_toml, remove_user, wait_for
 
 ISO_USER = "bastion-test-iso"
 SYSTEM_PYTHON = "/usr/bin/python3"
-
-
-def _remove_test_user() -> None:
-    with contextlib.suppress(KeyError):
-        pwd.getpwnam(ISO_USER)
-        subprocess.run(["userdel", ISO_USER], capture_output=True, timeout=60)
-    with contextlib.suppress(KeyError):
-        grp.getgrnam(ISO_USER)
-        subprocess.run(["groupdel", ISO_USER], capture_output=True, timeout=60)
 
 
 def _processes(*argv: str) -> list[int]:
@@ -101,7 +92,7 @@ def isolated(sshd_server: Any, client_key: tuple[Path, str]) -> Iterator[Isolate
     harness always does: no --agent-group), unlocked."""
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(SYSTEM_PYTHON):
         pytest.skip("needs root, useradd and /usr/bin/python3 to run agents as another uid")
-    _remove_test_user()  # so that setup creates it
+    remove_user(ISO_USER)  # so that setup creates it
     root = Path(tempfile.mkdtemp(prefix="bastion-iso-"))
     root.chmod(0o755)
     b = make_bastion(root, sshd_server.info, client_key[0], start=False)
@@ -114,7 +105,7 @@ def isolated(sshd_server: Any, client_key: tuple[Path, str]) -> Iterator[Isolate
     finally:
         b.close()
         shutil.rmtree(root, ignore_errors=True)
-        _remove_test_user()
+        remove_user(ISO_USER)
 
 
 def test_setup_creates_the_user_and_the_door_and_checks_them(isolated: Isolated) -> None:

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,13 +61,6 @@ class Relay:
                 s.close()
             except OSError:
                 pass
-
-
-@pytest.fixture
-def target(tmp_path: Path, client_key: tuple[Path, str]) -> Iterator[Sshd]:
-    """A target of this test's own, which it may kill or freeze."""
-    with Sshd(tmp_path / "target-sshd", authorized_keys=[client_key[1]]) as server:
-        yield server
 
 
 def started(agent: Agent, marker: Path, command: str, **kw: object) -> int:
