@@ -119,6 +119,8 @@ class Resolver:
         self._nonces: dict[tuple[int, float], str] = {}
         self._identified = 0
         self.runs: dict[tuple[int, float], str] = {}  # registered runs: (pid, start) -> label
+        # Registered fronts (`bastion mcp`): (pid, start) -> the executable it ran then.
+        self.fronts: dict[tuple[int, float], tuple[str, str | None]] = {}
 
     def read_process(self, pid: int) -> ProcessInfo:
         try:
@@ -157,8 +159,12 @@ class Resolver:
 
     def _is_wrapper(self, info: ProcessInfo) -> bool:
         """Judged by the executable the kernel resolved, never by the process name a
-        process can set itself; an executable we cannot read is not a wrapper."""
-        return bool(info.exe) and _exe_name(info) in self.wrappers
+        process can set itself; an executable we cannot read is not a wrapper. A
+        registered front counts while it still runs the executable it registered with."""
+        if not info.exe:
+            return False
+        front = self.fronts.get((info.pid, info.start_time))
+        return _exe_name(info) in self.wrappers or front == (info.exe, info.exe_sha256)
 
     def _is_session_host(self, info: ProcessInfo) -> bool:
         return (
@@ -196,6 +202,7 @@ class Resolver:
     def forget(self, pid: int, start_time: float) -> None:
         self._nonces.pop((pid, start_time), None)
         self.runs.pop((pid, start_time), None)
+        self.fronts.pop((pid, start_time), None)
 
     def identify(self, sock: socket.socket) -> Peer:
         """Read who is on the other end of `sock`, or refuse."""
@@ -245,7 +252,7 @@ class Resolver:
     def prune(self) -> int:
         """Forget launch nonces and runs of processes that exited (not every exit is
         watched: a process that connected but never asked leaves a nonce behind)."""
-        gone = [key for key in self._nonces if _start_time(key[0]) != key[1]]
+        gone = [key for key in {*self._nonces, *self.fronts} if _start_time(key[0]) != key[1]]
         for pid, start in gone:
             self.forget(pid, start)
         return len(gone)
@@ -274,6 +281,24 @@ class Resolver:
     def register_run(self, sock: socket.socket, label: str) -> ProcessInfo:
         """Register the connecting process itself as a run. The kernel names
         the process; the client can only ask for itself."""
+        info = self._registrant(sock)
+        self.runs[(info.pid, info.start_time)] = label
+        return info
+
+    def register_front(self, sock: socket.socket) -> ProcessInfo:
+        """Register the connecting process as a front (`bastion mcp`): like a shell,
+        it acts for its parent, which becomes the subject of the commands it runs.
+        That gives it nothing it did not have -- any child can exec a shell and be
+        skipped the same way -- and it holds only while the process runs the
+        executable it registered with."""
+        info = self._registrant(sock)
+        if not info.exe:
+            raise IdentityError("the registering process's executable cannot be read")
+        self.fronts[(info.pid, info.start_time)] = (info.exe, info.exe_sha256)
+        return info
+
+    def _registrant(self, sock: socket.socket) -> ProcessInfo:
+        """The process on the other end of `sock`, still alive and the same uid."""
         pid, uid, _ = peer_credentials(sock)
         pidfd = peer_pidfd(sock)
         try:
@@ -283,7 +308,6 @@ class Resolver:
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-        self.runs[(info.pid, info.start_time)] = label
         return info
 
 

@@ -29,10 +29,12 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import socket
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import asyncssh
@@ -96,6 +98,22 @@ class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
         return self._start_session(command=command.decode("utf-8", "surrogateescape"))
 
 
+REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
+QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
+
+
+@dataclass(frozen=True)
+class Doors:
+    """What an agent connection may ask besides SSH, each answered in a worker
+    thread (they read /proc or the journal) and each refused with `IdentityError`
+    or `ValueError`: who is connecting, a registration (`bastion run`, `bastion
+    mcp`), and a query, answered with one JSON line."""
+
+    identify: Callable[[socket.socket], Peer]
+    register: Callable[[socket.socket, dict[str, str]], str]
+    query: Callable[[dict[str, str]], dict[str, Any]]
+
+
 async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, str]:
     """The proxy's one line: which target (or, from `bastion run`, a registration)."""
     data = b""
@@ -116,8 +134,12 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
         raise ValueError("malformed header")
     if "register" in fields:
         label = fields.get("label", "")
-        if fields["register"] != "run" or len(label) > 100 or not label.isprintable():
-            raise ValueError("malformed run registration")
+        if fields["register"] not in REGISTRATIONS or len(label) > 100 or not label.isprintable():
+            raise ValueError("malformed registration")
+        return fields
+    if "query" in fields:
+        if fields["query"] not in QUERIES or not all(len(v) <= 200 for v in fields.values()):
+            raise ValueError("malformed query")
         return fields
     if not fields.get("host") or not fields.get("user"):
         raise ValueError("header lacks host or user")
@@ -127,9 +149,8 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
 class AgentListener:
     """Accepts agent connections and hands each to an SSH server.
 
-    `identify` reads who is connecting (in a worker thread: /proc walks
-    block); `register_run` makes the connecting process a registered run and
-    returns its id. Both refuse with `IdentityError`.
+    Who is connecting, registrations and queries are answered through `doors`
+    (in worker threads: /proc walks and journal reads block) before any SSH.
     """
 
     def __init__(
@@ -137,15 +158,13 @@ class AgentListener:
         service: Service,
         sock: socket.socket,
         host_key: asyncssh.SSHKey,
-        identify: Callable[[socket.socket], Peer],
-        register_run: Callable[[socket.socket, str], str],
+        doors: Doors,
         *,
         max_per_uid: int = MAX_CONNECTIONS_PER_UID,
     ) -> None:
         self.service = service
         self.sock = sock
-        self.identify = identify
-        self.register_run = register_run
+        self.doors = doors
         self.max_per_uid = max_per_uid
         self._per_uid: Counter[int] = Counter()
         self._health = ListenerHealth("agent")
@@ -244,10 +263,15 @@ class AgentListener:
         try:
             header = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
             if "register" in header:
-                run_id = await asyncio.to_thread(self.register_run, sock, header.get("label", ""))
-                await loop.sock_sendall(sock, f"OK {run_id}\n".encode())
+                reg_id = await asyncio.to_thread(self.doors.register, sock, header)
+                await loop.sock_sendall(sock, f"OK {reg_id}\n".encode())
                 return
-            peer = await asyncio.to_thread(self.identify, sock)
+            if "query" in header:
+                answer = await asyncio.to_thread(self.doors.query, header)
+                line = json.dumps(answer, ensure_ascii=True, separators=(",", ":"))
+                await loop.sock_sendall(sock, f"OK {line}\n".encode())
+                return
+            peer = await asyncio.to_thread(self.doors.identify, sock)
         except TimeoutError:
             await self._refuse(sock, TimeoutError(f"no header line within {HEADER_TIMEOUT:g}s"))
             return

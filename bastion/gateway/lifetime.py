@@ -29,7 +29,7 @@ from typing import Any
 
 import asyncssh
 
-from bastion import opsock
+from bastion import opsock, sdnotify
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.defaults import (
     APPROVAL_TIMEOUT,
@@ -42,6 +42,7 @@ from bastion.core.policy import PolicyError
 from bastion.core.subject import Peer, ProcessKey, Subject
 from bastion.gateway import opserver
 from bastion.gateway.admission import Admission
+from bastion.gateway.agent_doors import AgentDoors
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
@@ -193,35 +194,6 @@ class Gateway:
 
     # -- who connects ----------------------------------------------------------------------
 
-    def identify(self, sock: socket.socket) -> Peer:
-        """An agent connection's peer (runs in a worker thread)."""
-        peer = self.resolver.identify(sock)
-        if peer.uid == os.getuid():
-            self.same_uid_agent_seen = True
-        return peer
-
-    def register_run(self, sock: socket.socket, label: str) -> str:
-        """`bastion run`: the connecting process becomes one subject for its
-        whole tree, for as long as it lives (runs in a worker thread)."""
-        info = self.resolver.register_run(sock, label)
-        subject = Subject(
-            info.pid,
-            info.start_time,
-            info.exe,
-            info.exe_sha256,
-            info.uid,
-            self.resolver.nonce_for(info.pid, info.start_time),
-            label,
-        )
-        self._loop.call_soon_threadsafe(self.watch, subject)
-        self._loop.call_soon_threadsafe(
-            lambda: self.recorder.record(
-                EventType.RUN_REGISTERED, {}, {"subject": subject.as_json()}
-            )
-        )
-        log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
-        return f"run_{subject.nonce}"
-
     def agent_processes(self) -> set[tuple[int, float]]:
         """Every process the gateway knows as an agent -- approved, asking,
         connected or registered as a run: operator requests from below any of
@@ -316,8 +288,7 @@ class Gateway:
             self.service,
             self._agent_listen_socket(),
             self.host_key,
-            self.identify,
-            self.register_run,
+            AgentDoors(self, self._loop, self.service.policy.current, self.home.journal).doors(),
         )
         accept_task = asyncio.create_task(listener.serve())
         policy = self.service.policy.current()
@@ -334,9 +305,11 @@ class Gateway:
                 "this home; run agents as another user for strong isolation",
                 os.getuid(),
             )
+        systemd = sdnotify.start(self.vault, self.book)  # READY=1, watchdog, status
         try:
             await self._stop.wait()
         finally:
+            systemd.stopping()
             log.info("gateway stopping")
             accept_task.cancel()
             await listener.close()

@@ -52,6 +52,8 @@ class Recorder:
         self.journal = journal
         self.watchers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.sinks: list[Sink] = []
+        # Told of each request as it is received: (hashed action key or None, request id).
+        self.on_received: list[Callable[[str | None, str], None]] = []
         self._unsynced: list[tuple[Any, dict[str, Any]]] = []  # written, sinks not yet told
         self._flush_at: asyncio.TimerHandle | None = None
         self._flushing = False
@@ -164,6 +166,8 @@ class Recorder:
                 "chain": [p.pid for p in peer.chain],
             },
         )
+        for listener in self.on_received:
+            listener(req.action, req.request_id)
 
     def denied(self, subject: Subject, req: Request, failure: Failure) -> None:
         log.info("%s: denied %s", req.request_id, failure.code.value)

@@ -54,3 +54,21 @@ def test_ssh_started_by_a_session_host_has_no_subject(host: ProcessInfo) -> None
 def test_the_lists_are_configurable() -> None:
     resolver = Resolver(wrappers=frozenset({"node"}), session_hosts=frozenset({"bash"}))
     assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
+
+
+def test_a_registered_front_acts_for_its_parent_while_it_runs_what_it_registered() -> None:
+    """`bastion mcp` registers itself: the MCP client above it is the subject. The same
+    pid and start time running another executable (it exec'd) is itself again."""
+    front = proc(750, "/usr/bin/python3.11")
+    client = proc(650, "/usr/bin/node")
+    resolver = Resolver()
+    chain = [PROXY, SSH, front, client, BASH, TMUX, INIT]
+    assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)  # not registered
+    resolver.fronts[(front.pid, front.start_time)] = (front.exe, front.exe_sha256)
+    assert resolver.subject_index(chain) == (3, SubjectKind.PROCESS)
+    exec_d = proc(750, "/usr/bin/perl")
+    assert resolver.subject_index([PROXY, SSH, exec_d, client, INIT]) == (2, SubjectKind.PROCESS)
+    other = ProcessInfo(750, 749, 7.0, 1000, front.exe, None, "python3.11", ())  # pid reused
+    assert resolver.subject_index([PROXY, SSH, other, client, INIT]) == (2, SubjectKind.PROCESS)
+    resolver.forget(front.pid, front.start_time)
+    assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
