@@ -145,9 +145,21 @@ def ssh_config(
 
     The file is self-contained: the gateway's host key is pinned inline, so an
     agent running as another user needs nothing from the bastion home."""
+    text = home_ssh_config(home_of(ctx), policies, agent_socket, python, proxy_path)
+    click.echo(text, nl=False)
+
+
+def home_ssh_config(
+    home: Home,
+    policies: Path | None = None,
+    agent_socket: Path | None = None,
+    python: str | None = None,
+    proxy_path: Path | None = None,
+    origin: str = "bastion ssh-config",
+) -> str:
+    """The agents' ssh_config for this home (fails with the reason when it cannot)."""
     from bastion.core.policy import PolicyError
 
-    home = home_of(ctx)
     try:
         users = policy_users((policies or home.policies).absolute())
     except PolicyError as exc:
@@ -159,7 +171,7 @@ def ssh_config(
     sock = (agent_socket or home.agent_socket).absolute()
     script = (proxy_path or Path(proxy_mod.__file__)).absolute()
     argv = (python or sys.executable, "-I", "-S", str(script), "--socket", str(sock))
-    click.echo(ssh_config_text(users, pinned, argv, "bastion ssh-config"), nl=False)
+    return ssh_config_text(users, pinned, argv, origin)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

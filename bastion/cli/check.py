@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from bastion.cli.common import home_of
+from bastion.cli.completion import complete_account, complete_host
 
 
 def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[str, Any]:
@@ -87,8 +88,8 @@ def _human(v: dict[str, Any]) -> str:
 
 
 @click.command("check-command")
-@click.argument("host")
-@click.argument("user")
+@click.argument("host", shell_complete=complete_host)
+@click.argument("user", shell_complete=complete_account)
 @click.argument("command")
 @click.option(
     "--policies",

@@ -16,6 +16,7 @@ import click
 
 from bastion import opsock
 from bastion.cli.common import LineStdin, emit, fail, home_of, read_passphrase
+from bastion.cli.completion import complete_key_label, complete_own_key_label
 
 
 @click.group()
@@ -117,7 +118,7 @@ def key_list(ctx: click.Context, as_json: bool) -> None:
 
 
 @key.command("public")
-@click.argument("label")
+@click.argument("label", shell_complete=complete_key_label)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
@@ -127,7 +128,7 @@ def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
 
 
 @key.command("remove")
-@click.argument("label")
+@click.argument("label", shell_complete=complete_own_key_label)
 @click.option("--passphrase-stdin", is_flag=True, help="Vault passphrase (no gateway running).")
 @click.pass_context
 def key_remove(ctx: click.Context, label: str, passphrase_stdin: bool) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from bastion import opsock
+from bastion.cli import completion as comp
 from bastion.cli.agents import hostkey, proxy, run, ssh_config
 from bastion.cli.audit import audit
 from bastion.cli.check import check_command
@@ -30,10 +31,13 @@ from bastion.cli.common import (
     read_passphrase,
     save_to_keyring,
 )
+from bastion.cli.doctor import doctor
 from bastion.cli.isolate import isolate
 from bastion.cli.keys import key
+from bastion.cli.mcp import mcp
 from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
+from bastion.cli.service import service
 from bastion.core import defaults
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
@@ -58,7 +62,8 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-for command in (key, audit, hostkey, ssh_config, proxy, run, check_command, isolate):
+COMMANDS = (key, audit, hostkey, ssh_config, proxy, run, check_command, isolate)
+for command in (*COMMANDS, mcp, doctor, service, comp.completion):
     main.add_command(command)
 
 
@@ -390,15 +395,18 @@ def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
 
 
 @main.command()
+@click.option("--no-notify", is_flag=True, help="No desktop notification (notify-send).")
+@click.option("--notify-command", is_flag=True, help="Show the command in notifications.")
 @click.pass_context
-def approve(ctx: click.Context) -> None:
-    """Interactive approvals: each card as it arrives; y approve, n deny,
-    d details (process chain, digests), q quit. Survives gateway restarts."""
-    sys.exit(run_prompt(home_of(ctx).operator_socket))
+def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
+    """Interactive approvals: each card as it arrives (bell, desktop notification);
+    y approve, n deny, d details (process chain, digests), L lock the vault, q quit.
+    Between cards, a status line. Survives gateway restarts."""
+    sys.exit(run_prompt(home_of(ctx).operator_socket, not no_notify, notify_command))
 
 
 @main.command()
-@click.argument("card_id")
+@click.argument("card_id", shell_complete=comp.complete_card)
 @click.argument("answer", type=click.Choice(["approve", "deny"]))
 @click.pass_context
 def decide(ctx: click.Context, card_id: str, answer: str) -> None:
@@ -422,7 +430,7 @@ def sessions(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("session_id")
+@click.argument("session_id", shell_complete=comp.complete_session)
 @click.pass_context
 def revoke(ctx: click.Context, session_id: str) -> None:
     """End one session approval now."""
@@ -431,7 +439,7 @@ def revoke(ctx: click.Context, session_id: str) -> None:
 
 
 @main.command()
-@click.argument("request_id")
+@click.argument("request_id", shell_complete=comp.complete_request_in_flight)
 @click.pass_context
 def kill(ctx: click.Context, request_id: str) -> None:
     """End a command in flight: signal it, then close its channel. Its outcome
@@ -441,7 +449,7 @@ def kill(ctx: click.Context, request_id: str) -> None:
 
 
 @main.command()
-@click.argument("request_id")
+@click.argument("request_id", shell_complete=comp.complete_request)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def request(ctx: click.Context, request_id: str, as_json: bool) -> None:

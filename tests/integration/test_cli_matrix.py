@@ -305,6 +305,45 @@ def approve_online(w: World) -> None:
     approve_quits_on_q(f"connected to gateway {boot} (vault unlocked)")(w)
 
 
+def mcp_session(online: bool) -> Callable[[World], None]:
+    """`bastion mcp` speaks MCP on stdio: it lists its three tools either way, and
+    `ssh_hosts` answers from the gateway online, and says it is not running offline."""
+
+    def drive(w: World) -> None:
+        msgs = [
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "matrix", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+             "params": {"name": "ssh_hosts", "arguments": {}}},
+        ]  # fmt: skip
+        with popen_cli(w, "mcp") as proc:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
+            proc.stdin.flush()
+            replies: dict[int, Any] = {}
+            while 3 not in replies:
+                line = proc.stdout.readline()
+                assert line, "bastion mcp closed stdout before answering"
+                doc = json.loads(line)
+                if "id" in doc:
+                    replies[doc["id"]] = doc
+            proc.stdin.close()
+            assert proc.wait(20) == 0
+        names = {t["name"] for t in replies[2]["result"]["tools"]}
+        assert names == {"ssh_exec", "ssh_hosts", "request_status"}, names
+        result = replies[3]["result"]
+        text = result["content"][0]["text"]
+        if online:
+            assert not result.get("isError"), text
+        else:
+            assert result["isError"] and "not running" in text, text
+
+    return drive
+
+
 def daemon_offline(w: World) -> None:
     """`bastion daemon` with none running starts, locked, and answers `status`."""
     w.b.start_daemon()
@@ -559,6 +598,30 @@ def check_demo_help(w: World, r: Out) -> None:
     assert "Throwaway sshd" in ok(r).stdout
 
 
+def check_completion(w: World, r: Out) -> None:
+    """The bash script registers click's completion for `bastion`; the same both ways."""
+    script = ok(r).stdout
+    assert "complete -o nosort -F _bastion_completion bastion" in script, script
+    assert "_BASTION_COMPLETE=bash_complete" in script, script
+    assert w.record("completion bash", script) in (None, script)
+
+
+def check_doctor(w: World, r: Out) -> None:
+    """Offline the gateway is down (a failed check naming `bastion daemon`), online it
+    answers with the vault open; both ways the policy host shows its pinned key and the
+    matrix's advisory isolation fails, so doctor exits 1 (one `bastion: ` line)."""
+    refused(r, "bastion: doctor: failed: ")
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["isolation"]["status"] == "fail" and "isolate setup" in checks["isolation"]["fix"]
+    assert checks["policy"]["status"] == checks["host.web1"]["status"] == "ok", checks
+    gateway, vault = checks["gateway"], checks["vault"]
+    if w.mode == OFFLINE:
+        assert gateway["status"] == "fail" and "`bastion daemon`" in gateway["fix"], gateway
+        assert vault["status"] == "skip", vault
+    else:
+        assert gateway["status"] == vault["status"] == "ok", (gateway, vault)
+
+
 ISO_USER = "bastion-test-iso"
 
 
@@ -704,6 +767,19 @@ def unknown_id(ident: str, *phrases: str) -> Callable[[World, Out], None]:
     return check
 
 
+def check_service_install(w: World, r: Out) -> None:
+    """The unit needs no gateway: the same text both ways, this home's daemon in it."""
+    unit = ok(r).stdout
+    assert unit.startswith("# Written by `bastion service install`."), unit
+    assert f"-m bastion.cli --home {w.b.home.root} daemon\n" in unit
+    assert "Type=notify\n" in unit and "WatchdogSec=" in unit
+    assert w.record("service install --stdout", unit) in (None, unit)
+    target = w.tmp / f"bastion-{w.mode}.service"
+    written = ok(w.cli("service", "install", "--output", str(target)))
+    assert target.read_text() == unit
+    assert ("a gateway runs for this home now" in written.stdout) == (w.mode == ONLINE)
+
+
 # -- the table --------------------------------------------------------------------------------
 
 # A Case judges by `needs_gateway` unless told otherwise: `Case(args)` is a command that
@@ -765,6 +841,12 @@ ROWS: list[Row] = [
         ("demo",),
         online=Case(("--help",), check_demo_help),
         offline=Case(("--help",), check_demo_help),
+    ),
+    Row(("mcp",), online=Case(drive=mcp_session(True)), offline=Case(drive=mcp_session(False))),
+    Row(
+        ("completion",),
+        online=Case(("bash",), check_completion),
+        offline=Case(("bash",), check_completion),
     ),
     Row(
         ("key", "generate"),
@@ -857,6 +939,16 @@ ROWS: list[Row] = [
             check_run_online,
         ),
         offline=Case(("--", "sh", "-c", "touch {marker_offline}"), check_run_offline),
+    ),
+    Row(
+        ("doctor",),
+        online=Case(("--json",), check_doctor),
+        offline=Case(("--json",), check_doctor),
+    ),
+    Row(
+        ("service", "install"),
+        online=Case(("--stdout",), check_service_install),
+        offline=Case(("--stdout",), check_service_install),
     ),
 ]
 

@@ -1,0 +1,313 @@
+"""An agent's side of bastion, for programs that are not a shell: run one command
+through the stock ssh client, and ask the gateway the questions `bastion mcp`
+answers (which hosts, what became of a request).
+
+The command goes exactly the way an agent's `ssh -F CONFIG HOST 'COMMAND'` goes
+-- the same ProxyCommand, agent socket, gate, cards and journal -- so nothing
+here is trusted by the gateway: it reads who is asking from the kernel, as
+always. What this module adds is what a model needs in place of a terminal:
+bounded output with its true size, the bytes kept exact, and the gateway's
+JSON error picked out of stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bastion.proxy import MAX_HEADER, PROTOCOL
+
+# What OpenSSH takes as a destination and a login name, and nothing that ssh could
+# read as an option (a leading "-") or that needs quoting in SetEnv.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,31}")
+ACTION_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,199}")
+REPLY_LIMIT = 1 << 20  # a query's answer (the hosts and their rules)
+KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an ssh past its time
+ASK_TIMEOUT = 10.0
+GATEWAY_EXITS = frozenset({69, 70, 76, 77})  # the gateway ended it: stderr's last line
+
+
+class AgentError(Exception):
+    """Bad input, or the gateway could not be asked; the message says which."""
+
+
+class Refused(AgentError):
+    """The gateway answered, and the answer was no (an unknown request id, ...)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command as a model asks for it."""
+
+    host: str
+    command: str
+    user: str | None = None
+    stdin: bytes = b""
+    timeout_s: float = 600.0
+    action_key: str | None = None
+    ack_unknown: bool = False
+
+    def checked(self) -> Command:
+        if not NAME.fullmatch(self.host):
+            raise AgentError(f"host {self.host!r} is not a host alias (see ssh_hosts)")
+        if self.user is not None and not USER.fullmatch(self.user):
+            raise AgentError(f"user {self.user!r} is not an account name (see ssh_hosts)")
+        if self.action_key is not None and not ACTION_KEY.fullmatch(self.action_key):
+            raise AgentError(
+                "action_key must be 1-200 characters of letters, digits and . _ : / + = -"
+            )
+        if not self.command.strip():
+            raise AgentError("command is empty")
+        if "\0" in self.command:
+            raise AgentError("command contains a NUL byte")
+        if not 0 < self.timeout_s <= 86400:
+            raise AgentError("timeout_s must be more than 0 and at most 86400")
+        return self
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One output stream, bounded: its first and last bytes, and how many it had."""
+
+    head: bytes
+    tail: bytes
+    total: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + len(self.tail)
+
+    @property
+    def data(self) -> bytes:
+        if not self.truncated:
+            return self.head + self.tail
+        cut = self.total - len(self.head) - len(self.tail)
+        return self.head + f"\n[... {cut} bytes not kept ...]\n".encode() + self.tail
+
+    def as_json(self, name: str) -> dict[str, Any]:
+        """Text when the kept bytes are UTF-8, else base64 of them, byte for byte."""
+        data = self.data
+        out: dict[str, Any] = {f"{name}_bytes": self.total, f"{name}_truncated": self.truncated}
+        try:
+            out[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            import base64
+
+            out[name] = None
+            out[f"{name}_base64"] = base64.b64encode(data).decode()
+        return out
+
+
+class Keeper:
+    """Keeps at most `limit` bytes of a stream: half from its start, half from its end."""
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(limit // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            del self.tail[: max(len(self.tail) - self.half, 0)]
+
+    def kept(self) -> Kept:
+        return Kept(bytes(self.head), bytes(self.tail), self.total)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What the ssh client gave back. `error` is the gateway's error object when the
+    gateway ended the request (or the proxy could not reach it)."""
+
+    stdout: Kept
+    stderr: Kept
+    exit_status: int | None
+    error: dict[str, Any] | None
+    timed_out: bool
+    action_key: str
+
+
+Progress = Callable[[int, int, float], Awaitable[None]]  # stdout bytes, stderr bytes, seconds
+
+
+def gateway_error(stderr: bytes, exit_status: int | None) -> dict[str, Any] | None:
+    """The gateway's JSON line, when the exit status says the gateway ended it (or
+    ssh failed, 255, after the proxy printed one): the last such line on stderr."""
+    if exit_status not in GATEWAY_EXITS and exit_status != 255:
+        return None
+    for line in reversed(stderr.decode("utf-8", "replace").splitlines()[-8:]):
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and doc.get("ok") is False and "error" in doc:
+                err = doc["error"]
+                return err if isinstance(err, dict) else None
+    return None
+
+
+def ssh_argv(config: Path, cmd: Command, action_key: str) -> list[str]:
+    env = f"BASTION_ACTION_KEY={action_key}" + (" BASTION_ACK_UNKNOWN=1" if cmd.ack_unknown else "")
+    argv = ["ssh", "-F", str(config), "-o", f"SetEnv={env}"]
+    if cmd.user is not None:
+        argv += ["-l", cmd.user]
+    return [*argv, cmd.host, cmd.command]
+
+
+def ssh_env() -> dict[str, str]:
+    """ssh runs the ProxyCommand as `$SHELL -c`; bash given a socket (ProxyUseFdpass)
+    reads ~/.bashrc first unless SHLVL says it is nested. /bin/sh reads nothing."""
+    return {**os.environ, "SHELL": "/bin/sh"}
+
+
+async def run(
+    config: Path, cmd: Command, limit: int, progress: Progress | None = None, every: float = 1.0
+) -> Ran:
+    """Run `cmd` through `ssh -F config`; kill ssh when `timeout_s` runs out (the
+    gateway then records how far it got: ask `request_state` by the action key)."""
+    cmd = cmd.checked()
+    action_key = cmd.action_key or f"mcp:{uuid.uuid4()}"
+    proc = await asyncio.create_subprocess_exec(
+        *ssh_argv(config, cmd, action_key),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=ssh_env(),
+        start_new_session=True,
+    )
+    out, err = Keeper(limit), Keeper(limit)
+    # The gateway's JSON line is the last line of stderr: kept whole, beside the bound.
+    err_end = bytearray()
+
+    async def pump(stream: asyncio.StreamReader, keeper: Keeper, end: bytearray | None) -> None:
+        while chunk := await stream.read(65536):
+            keeper.add(chunk)
+            if end is not None:
+                end += chunk
+                del end[: max(len(end) - 8192, 0)]
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if cmd.stdin:
+                proc.stdin.write(cmd.stdin)
+                await proc.stdin.drain()
+            proc.stdin.close()
+
+    assert proc.stdout is not None and proc.stderr is not None
+    work = asyncio.gather(feed(), pump(proc.stdout, out, None), pump(proc.stderr, err, err_end))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    timed_out = False
+    while True:
+        left = started + cmd.timeout_s - loop.time()
+        if left <= 0:
+            timed_out = True
+            await _end(proc)
+            break
+        done, _ = await asyncio.wait({work}, timeout=min(every, left))
+        if done:
+            break
+        if progress is not None:
+            await progress(out.total, err.total, loop.time() - started)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(work, 10)
+    status = await proc.wait()
+    exit_status = None if timed_out or status < 0 else status
+    return Ran(
+        out.kept(),
+        err.kept(),
+        exit_status,
+        None if timed_out else gateway_error(bytes(err_end), exit_status),
+        timed_out,
+        action_key,
+    )
+
+
+async def _end(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM ssh's process group (ssh and its proxy), SIGKILL after KILL_GRACE."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            await asyncio.wait_for(proc.wait(), KILL_GRACE)
+            return
+        except TimeoutError:
+            continue
+
+
+# -- the agent socket ------------------------------------------------------------------------
+
+
+def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
+    """One header line to the agent socket, one reply line back."""
+    header = PROTOCOL + json.dumps(fields).encode() + b"\n"
+    if len(header) > MAX_HEADER:
+        raise AgentError("the question is too long")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(ASK_TIMEOUT)
+        try:
+            sock.connect(str(sock_path))
+            sock.sendall(header)
+            data = bytearray()
+            while not data.endswith(b"\n") and len(data) <= limit:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except FileNotFoundError:
+            raise AgentError(
+                f"The bastion gateway is not running (no socket at {sock_path}); "
+                "ask the operator to start `bastion daemon`."
+            ) from None
+        except OSError as exc:
+            raise AgentError(
+                f"Could not talk to the bastion gateway at {sock_path}: {exc}."
+            ) from None
+    reply = data.decode("utf-8", "replace").strip()
+    if not reply.startswith("OK"):
+        raise Refused(reply.removeprefix("ERR").strip() or "the gateway gave no answer")
+    return reply[2:].strip()
+
+
+def ask(sock_path: Path, fields: dict[str, str]) -> dict[str, Any]:
+    """A query (`hosts`, `request`) and its JSON answer."""
+    answer = json.loads(_converse(sock_path, {"query": fields.pop("query"), **fields}, REPLY_LIMIT))
+    if not isinstance(answer, dict):
+        raise AgentError("the gateway's answer is not an object")
+    return answer
+
+
+def register_front(sock_path: Path) -> str:
+    """Tell the gateway this process acts for its parent (the agent program that
+    started it); the gateway reads who this process is from the kernel."""
+    return _converse(sock_path, {"register": "front"}, MAX_HEADER)
+
+
+def socket_of(config: Path) -> Path | None:
+    """The agent socket an agents' ssh_config (`bastion ssh-config`) names in its
+    ProxyCommand, so `bastion mcp --ssh-config FILE` needs nothing else."""
+    for line in config.read_text().splitlines():
+        words = line.strip().split(None, 1)
+        if len(words) == 2 and words[0].lower() == "proxycommand":
+            argv = shlex.split(words[1])
+            if "--socket" in argv[:-1]:
+                return Path(argv[argv.index("--socket") + 1])
+    return None

@@ -1,0 +1,244 @@
+"""`bastion mcp`: the front door for agents that speak the Model Context Protocol.
+
+An MCP client (a desktop chat app, an agent framework) starts this server as its
+own child and talks to it over stdio. Every command still goes through the
+stock ssh client, the agent socket, the gate, the cards and the journal, exactly
+as an agent's `ssh` does -- so the gateway, not this process, decides. This
+process registers itself with the gateway as a *front*: like a shell, it acts
+for its parent, and the subject a person approves is the MCP client itself.
+Approval happens in the operator's `bastion approve`, never inside the MCP
+client: no MCP elicitation, which many clients do not implement and which an
+agent could answer itself.
+
+Built on the official `mcp` SDK (an optional dependency: `pip install
+'bastion[mcp]'`), so the protocol is theirs and the tools are ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import CallToolResult, TextContent
+from pydantic import Field
+
+from bastion import agent_exec
+from bastion.agent_exec import AgentError, Command, Ran, Refused
+
+SETTLE = 1.0  # seconds to wait, after a timeout, for the gateway to record how far it got
+INSTRUCTIONS = """\
+Run commands on servers through bastion. You never hold a key: bastion holds them,
+a person approves your process once per host and account (and, on accounts that
+ask for it, each command), and every command is journalled. Call ssh_hosts first
+to see which hosts and accounts you may use and what their rules allow. When a
+result is an error, read its `code`: STATUS_UNKNOWN means the command may or may
+not have run -- call request_status and inspect the target before trying again;
+`retryable: true` means nothing was sent and the same call may be repeated.
+"""
+
+
+@dataclass(frozen=True)
+class Front:
+    """Where this server sends commands: the agents' ssh_config and agent socket."""
+
+    ssh_config: Path
+    agent_socket: Path
+    max_output: int = 256 * 1024  # bytes kept per stream: half its start, half its end
+
+    def ask(self, query: str, **fields: str) -> dict[str, Any]:
+        return agent_exec.ask(self.agent_socket, {"query": query, **fields})
+
+
+def error_result(error: dict[str, Any], extra: dict[str, Any] | None = None) -> CallToolResult:
+    """The gateway's error object as an MCP tool error: the model reads `code`,
+    `message`, `retryable` and `reauth_reason` exactly as an ssh agent would."""
+    doc = {"error": error, **(extra or {})}
+    text = json.dumps(doc, ensure_ascii=False)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)], structured_content=doc, is_error=True
+    )
+
+
+def internal(message: str) -> CallToolResult:
+    return error_result(
+        {"code": "INTERNAL", "message": message, "request_id": None, "retryable": False}
+    )
+
+
+def outputs(ran: Ran) -> dict[str, Any]:
+    return {**ran.stdout.as_json("stdout"), **ran.stderr.as_json("stderr")}
+
+
+async def settle(front: Front, action_key: str) -> dict[str, Any] | None:
+    """What the gateway recorded for the request `action_key` named, once it is
+    more than in flight (or SETTLE seconds have passed)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE
+    state: dict[str, Any] | None = None
+    while True:
+        try:
+            state = await asyncio.to_thread(front.ask, "request", action_key=action_key)
+        except AgentError:
+            state = None
+        if (state and state.get("state") != "in_flight") or loop.time() >= deadline:
+            return state
+        await asyncio.sleep(0.1)
+
+
+async def timed_out(front: Front, cmd: Command, ran: Ran) -> CallToolResult:
+    """timeout_s ran out and ssh was ended: say what the journal says of it."""
+    state = await settle(front, ran.action_key)
+    rid = state.get("request_id") if state else None
+    where = (
+        f"`timeout_s` ({cmd.timeout_s:g} s) ran out and bastion's MCP server ended the ssh call."
+    )
+    if state and state.get("state") in ("retry_safe", "denied"):
+        return error_result(
+            {
+                "code": state.get("code") or "APPROVAL_TIMEOUT",
+                "message": f"{where} The command was not sent (it was still waiting for an "
+                "approval or a free slot); call again, with a longer timeout_s if needed.",
+                "request_id": rid,
+                "retryable": state.get("state") == "retry_safe",
+            },
+            outputs(ran),
+        )
+    if state and state.get("state") == "completed":
+        return ok_result(ran, state.get("exit_status"), rid, note=f"{where} It had completed.")
+    # In flight: the gateway keeps a command whose agent left running to its end, to
+    # record its real outcome -- this call just stops waiting for it.
+    return error_result(
+        {
+            "code": "STATUS_UNKNOWN",
+            "message": f"{where} bastion still holds the command (running on the target, or "
+            "waiting for an approval) and records how it ends: call request_status with this "
+            "request_id for its outcome, and do not repeat it before then."
+            + ("" if rid else " bastion did not name the request in time."),
+            "request_id": rid,
+            "retryable": False,
+        },
+        outputs(ran),
+    )
+
+
+def ok_result(
+    ran: Ran, exit_status: int | None, request_id: str | None, note: str | None = None
+) -> CallToolResult:
+    doc = {**outputs(ran), "exit_status": exit_status, "request_id": request_id}
+    if note:
+        doc["note"] = note
+    summary = f"exit status {exit_status}" + (f" ({request_id})" if request_id else "")
+    parts = [summary]
+    for name in ("stdout", "stderr"):
+        if doc.get(name):
+            parts.append(f"--- {name} ---\n{doc[name]}")
+        elif doc.get(f"{name}_base64"):
+            parts.append(f"--- {name} (not UTF-8; base64 in structured content) ---")
+    text = "\n".join(parts)
+    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=doc)
+
+
+def build(front: Front) -> MCPServer:
+    """The server and its three tools."""
+    server = MCPServer(name="bastion", instructions=INSTRUCTIONS, version="1")
+
+    @server.tool(
+        description="Run one command on a host through bastion and return its stdout, stderr "
+        "and exit status. The first command from this agent to a host raises an approval "
+        "card for a person, so the call may wait until they answer."
+    )
+    async def ssh_exec(
+        host: Annotated[str, Field(description="Host alias, as ssh_hosts lists it.")],
+        command: Annotated[str, Field(description="The command, as you would give to ssh.")],
+        ctx: Context,
+        user: Annotated[
+            str | None, Field(description="Account on the host (default: its only one).")
+        ] = None,
+        stdin: Annotated[str | None, Field(description="Text sent to the command's stdin.")] = None,
+        timeout_s: Annotated[
+            float, Field(description="Seconds before the call is cut off.", gt=0, le=86400)
+        ] = 600,
+        action_key: Annotated[
+            str | None,
+            Field(
+                description="Your name for this logical action: if its last attempt ended "
+                "STATUS_UNKNOWN, bastion refuses to repeat it until you set ack_unknown."
+            ),
+        ] = None,
+        ack_unknown: Annotated[
+            bool, Field(description="You inspected the target after STATUS_UNKNOWN.")
+        ] = False,
+    ) -> CallToolResult:
+        cmd = Command(
+            host, command, user, (stdin or "").encode(), timeout_s, action_key, ack_unknown
+        )
+        try:
+            cmd.checked()
+            await asyncio.to_thread(agent_exec.register_front, front.agent_socket)
+        except AgentError as exc:
+            return internal(str(exc))
+
+        async def progress(out: int, err: int, elapsed: float) -> None:
+            message = f"running {elapsed:.0f} s; {out} bytes of stdout, {err} of stderr so far"
+            await ctx.report_progress(elapsed, None, message)
+
+        ran = await agent_exec.run(front.ssh_config, cmd, front.max_output, progress)
+        if ran.timed_out:
+            return await timed_out(front, cmd, ran)
+        if ran.error is not None:
+            return error_result(ran.error, outputs(ran))
+        if ran.exit_status == 255:
+            tail = ran.stderr.data.decode("utf-8", "replace").strip().splitlines()[-3:]
+            return internal(
+                "ssh failed before reaching the gateway: "
+                + " | ".join(tail)
+                + " Nothing was sent to the target."
+            )
+        try:
+            state = await asyncio.to_thread(front.ask, "request", action_key=ran.action_key)
+        except AgentError:
+            state = {}
+        return ok_result(ran, ran.exit_status, state.get("request_id"))
+
+    @server.tool(
+        description="The hosts and accounts you may use through bastion, how each account "
+        "is approved (session: once per agent process; per-command: every command, except "
+        "those matching `preapproved`) and which commands its `allow` rules let through "
+        "(null: anything the policy does not deny)."
+    )
+    async def ssh_hosts() -> CallToolResult:
+        try:
+            doc = await asyncio.to_thread(front.ask, "hosts")
+        except AgentError as exc:
+            return internal(str(exc))
+        if doc.get("ok") is False:
+            return error_result(doc["error"])
+        text = json.dumps(doc, indent=1)
+        return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=doc)
+
+    @server.tool(
+        description="What became of one request: completed (with its exit status), denied, "
+        "retry_safe (nothing was sent), status_unknown (it may or may not have run) or "
+        "in_flight. Use it to reconcile a STATUS_UNKNOWN before trying again."
+    )
+    async def request_status(
+        request_id: Annotated[str, Field(description="The request id, e.g. req_0123abcd.")],
+    ) -> CallToolResult:
+        if not agent_exec.ACTION_KEY.fullmatch(request_id):
+            return internal(f"{request_id!r} is not a request id")
+        try:
+            doc = await asyncio.to_thread(front.ask, "request", request_id=request_id)
+        except Refused as exc:
+            return CallToolResult(content=[TextContent(type="text", text=str(exc))], is_error=True)
+        except AgentError as exc:
+            return internal(str(exc))
+        return CallToolResult(
+            content=[TextContent(type="text", text=json.dumps(doc))], structured_content=doc
+        )
+
+    del ssh_exec, ssh_hosts, request_status  # registered; the names stay the tools'
+    return server

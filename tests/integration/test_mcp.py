@@ -1,0 +1,256 @@
+"""`bastion mcp` (issue 12, acceptance 1-3): a real MCP client process from the
+official SDK starts `bastion mcp` as its child; commands go through the stock
+ssh client, the real gateway and a real sshd; the test is the operator.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bastion.devtools.sshd_fixture import Sshd, SshdInfo
+from tests.harness import USER, Bastion, cli_argv, make_bastion, policy_toml, wait_for
+
+HELPER = Path(__file__).resolve().parent.parent / "mcp_client_helper.py"
+TOOLS = {"ssh_exec", "ssh_hosts", "request_status"}
+
+
+class McpClient:
+    """An MCP client process (the agent program) with `bastion mcp` as its child."""
+
+    def __init__(self, b: Bastion, *server_args: str) -> None:
+        argv = cli_argv(b.home.root, "mcp", *server_args)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._ids = itertools.count(1)
+        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {0: queue.Queue()}
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._replies[0].get(timeout=60)
+        self.pid, self.server_pid = ready["ready"], ready["server_pid"]
+        b.agents.append(self)  # type: ignore[arg-type]  (closed with the bastion)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            doc = json.loads(line)
+            self._replies.setdefault(doc["id"], queue.Queue()).put(doc)
+
+    def start(self, op: str, **fields: Any) -> int:
+        rid = next(self._ids)
+        self._replies.setdefault(rid, queue.Queue())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": rid, "op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return rid
+
+    def wait(self, rid: int, timeout: float = 90) -> dict[str, Any]:
+        doc = self._replies[rid].get(timeout=timeout)
+        assert "exception" not in doc, doc["exception"]
+        return doc
+
+    def call(self, name: str, timeout: float = 90, **arguments: Any) -> dict[str, Any]:
+        return self.wait(self.start("call", name=name, arguments=arguments), timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def error_of(r: dict[str, Any]) -> dict[str, Any]:
+    assert r["is_error"], r
+    return r["structured"]["error"]
+
+
+def state(b: Bastion, request_id: str) -> dict[str, Any]:
+    return json.loads(b.cli("request", request_id, "--json").stdout)
+
+
+def test_tools_run_exactly_and_the_client_is_the_subject(bastion: Bastion) -> None:
+    client = McpClient(bastion)
+    assert set(client.wait(client.start("list_tools"))["tools"]) == TOOLS
+    rid = client.start(
+        "call",
+        name="ssh_exec",
+        arguments={"host": "web1", "command": "printf 'caf\\303\\251\\n'; echo oops >&2; exit 3"},
+    )
+    card = bastion.next_card()
+    # The agent program is the subject, not the MCP server between it and ssh.
+    assert card["subject"]["pid"] == client.pid != client.server_pid
+    bastion.answer(card, True)
+    r = client.wait(rid)
+    assert not r["is_error"], r
+    s = r["structured"]
+    assert (s["stdout"], s["stderr"], s["exit_status"]) == ("café\n", "oops\n", 3)
+    assert s["stdout_truncated"] is False and s["stdout_bytes"] == len("café\n".encode())
+    assert state(bastion, s["request_id"]) == {
+        "request_id": s["request_id"],
+        "state": "completed",
+        "exit_status": 3,
+        "code": None,
+    }
+    # Bytes that are not UTF-8 come back exact, in base64; stdin goes in.
+    r = client.call("ssh_exec", host="web1", command="cat; printf '\\377\\000\\001'", stdin="in\n")
+    s = r["structured"]
+    assert s["stdout"] is None and base64.b64decode(s["stdout_base64"]) == b"in\n\xff\x00\x01"
+    # request_status answers what `bastion request` answers.
+    r = client.call("request_status", request_id=s["request_id"])
+    assert r["structured"] == state(bastion, s["request_id"])
+
+
+def test_locked_vault_is_the_error_object_at_once(bastion: Bastion) -> None:
+    client = McpClient(bastion)
+    bastion.cli("lock")
+    err = error_of(client.call("ssh_exec", host="web1", command="true"))
+    assert err["code"] == "VAULT_LOCKED" and err["retryable"] is False
+    assert err["request_id"].startswith("req_")
+    assert bastion.op("pending") == []  # nothing was queued for the operator
+
+
+def test_per_command_cards(bastion: Bastion, sshd: SshdInfo) -> None:
+    bastion.write_policy(policy_toml(sshd, approval="per-command"))
+    client = McpClient(bastion)
+    rid = client.start("call", name="ssh_exec", arguments={"host": "web1", "command": "echo one"})
+    kinds = []
+    for _ in range(2):  # the session card, then this command's card
+        card = bastion.next_card()
+        kinds.append(card["kind"])
+        bastion.answer(card, True)
+    assert client.wait(rid)["structured"]["stdout"] == "one\n"
+    rid = client.start("call", name="ssh_exec", arguments={"host": "web1", "command": "echo two"})
+    card = bastion.next_card()
+    assert "echo two" in json.dumps(card)
+    bastion.answer(card, False)
+    err = error_of(client.wait(rid))
+    assert err["code"] == "CALL_DENIED", err
+    assert kinds[0] != kinds[1]
+
+
+def test_cut_off_is_status_unknown_and_request_status_resolves_it(
+    tmp_path: Path, target: Sshd, client_key: tuple[Path, str]
+) -> None:
+    assert target.info is not None
+    b = make_bastion(tmp_path / "b", target.info, client_key[0])
+    try:
+        client = McpClient(b)
+        marker = tmp_path / "running"
+        rid = client.start(
+            "call",
+            name="ssh_exec",
+            arguments={"host": "web1", "command": f"touch {marker}; sleep 60"},
+        )
+        b.approve_next()
+        wait_for(marker.exists, timeout=20)
+        for pid in target.session_pids():
+            os.kill(pid, signal.SIGKILL)
+        err = error_of(client.wait(rid))
+        assert err["code"] == "STATUS_UNKNOWN" and err["retryable"] is False
+        r = client.call("request_status", request_id=err["request_id"])
+        assert r["structured"]["state"] == "status_unknown"
+        # The MCP call's own timeout: the call stops waiting, the gateway keeps the command
+        # running to its end, and request_status tells how it ended.
+        marker2 = tmp_path / "running2"
+        command = f"touch {marker2}; sleep 8; exit 5"
+        rid = client.start(
+            "call", name="ssh_exec", arguments={"host": "web1", "command": command, "timeout_s": 2}
+        )
+        err = error_of(client.wait(rid))
+        assert marker2.exists()
+        assert err["code"] == "STATUS_UNKNOWN" and err["request_id"].startswith("req_"), err
+
+        def ended() -> dict[str, Any]:
+            return client.call("request_status", request_id=err["request_id"])["structured"]
+
+        assert ended()["state"] == "in_flight"
+        wait_for(lambda: ended()["state"] != "in_flight", timeout=30)
+        assert ended() | {"request_id": None} == {
+            "request_id": None,
+            "state": "completed",
+            "exit_status": 5,
+            "code": None,
+        }
+    finally:
+        b.close()
+
+
+def test_two_clients_are_two_subjects_and_a_killed_client_ends_its_approval(
+    bastion: Bastion,
+) -> None:
+    first, second = McpClient(bastion), McpClient(bastion)
+    for client in (first, second):
+        rid = client.start("call", name="ssh_exec", arguments={"host": "web1", "command": "true"})
+        card = bastion.next_card()
+        assert card["subject"]["pid"] == client.pid
+        bastion.answer(card, True)
+        assert client.wait(rid)["structured"]["exit_status"] == 0
+    assert len(bastion.op("sessions")) == 2
+    first.proc.kill()
+    first.proc.wait(10)
+    wait_for(lambda: len(bastion.op("sessions")) == 1, timeout=20)
+    third = McpClient(bastion)
+    rid = third.start("call", name="ssh_exec", arguments={"host": "web1", "command": "true"})
+    card = bastion.next_card()
+    assert card["subject"]["pid"] == third.pid and card["reason"] == "process_changed", card
+    bastion.answer(card, True)
+    assert third.wait(rid)["structured"]["exit_status"] == 0
+
+
+def test_ssh_hosts_shows_only_what_the_policy_lets_it_reach(
+    bastion: Bastion, sshd: SshdInfo
+) -> None:
+    policy = policy_toml(sshd, approval="per-command", allow=["uptime", "df -h"])
+    policy += policy_toml(sshd, alias="db1").replace(f'user = "{USER}"', 'user = "ro"')
+    bastion.write_policy(policy)
+    r = McpClient(bastion).call("ssh_hosts")
+    assert not r["is_error"], r
+    hosts = r["structured"]["hosts"]
+    assert [h["host"] for h in hosts] == ["db1", "web1"]
+    web1 = hosts[1]["accounts"][0]
+    assert web1["approval"] == "per-command" and web1["allow"] == ["uptime", "df -h"]
+    assert hosts[0]["accounts"][0]["user"] == "ro" and hosts[0]["accounts"][0]["allow"] is None
+    shown = json.dumps(r)
+    for secret in (sshd.address, str(sshd.port), sshd.host_key.split()[1], "deploy-key"):
+        assert secret not in shown
+
+
+def test_output_is_bounded_and_progress_is_reported(bastion: Bastion) -> None:
+    client = McpClient(bastion, "--max-output", "1024")
+    command = "head -c 10000 /dev/zero | tr '\\0' x; for i in 1 2 3; do sleep 1; echo >&2 $i; done"
+    rid = client.start("call", name="ssh_exec", arguments={"host": "web1", "command": command})
+    bastion.approve_next()
+    r = client.wait(rid)
+    s = r["structured"]
+    assert s["stdout_bytes"] == 10000 and s["stdout_truncated"] is True
+    assert s["stdout"].startswith("x" * 512) and s["stdout"].endswith("x" * 512)
+    assert "bytes not kept" in s["stdout"] and s["stderr"] == "1\n2\n3\n"
+    assert r["progress"], "a 3-second command reported no progress"
+
+
+def test_the_agent_socket_answers_only_the_questions_it_knows(bastion: Bastion) -> None:
+    """The doors `bastion mcp` uses are the agent socket's: a malformed or unknown
+    question is refused with one line, and a front can register only itself."""
+    from bastion import agent_exec
+
+    sock = bastion.home.agent_socket
+    with pytest.raises(agent_exec.Refused, match="malformed query"):
+        agent_exec.ask(sock, {"query": "keys"})
+    with pytest.raises(agent_exec.Refused, match="no request req_nope"):
+        agent_exec.ask(sock, {"query": "request", "request_id": "req_nope"})
+    with pytest.raises(agent_exec.Refused, match="malformed registration"):
+        agent_exec._converse(sock, {"register": "subject"}, 4096)
+    assert agent_exec.ask(sock, {"query": "hosts"})["hosts"][0]["host"] == "web1"
