@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import secrets
@@ -24,6 +25,7 @@ import select
 import socket
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -123,10 +125,14 @@ class Resolver:
         self.fronts: dict[tuple[int, float], tuple[str, str | None]] = {}
 
     def read_process(self, pid: int) -> ProcessInfo:
+        # The start time first: a pid reused after this read shows a new start time
+        # when the walk reads them all again, and the request is refused.
+        start = _start_time(pid)
+        if start is None:
+            raise IdentityError(f"process {pid} vanished while being identified")
         try:
             p = psutil.Process(pid)
             with p.oneshot():
-                start = p.create_time()
                 ppid = p.ppid()
                 uid = p.uids().real
                 name = p.name()
@@ -316,11 +322,32 @@ def _exe_name(info: ProcessInfo) -> str:
     return os.path.basename(info.exe.removesuffix(" (deleted)")) if info.exe else ""
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@functools.cache
+def _boot_time() -> float:
+    """/proc/stat's btime, read once per process. The kernel computes it as the wall
+    clock minus the uptime, so it moves whenever the wall clock is stepped (NTP, a VM
+    resumed); a start time built on a fresh reading would make every live process look
+    like another one, and every approval would be asked again."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise IdentityError("/proc/stat has no btime")
+
+
 def _start_time(pid: int) -> float | None:
+    """When `pid` started, as a wall-clock time that stays the same for the process's
+    whole life: its start in clock ticks since boot (/proc/PID/stat, field 22), which no
+    clock step changes, on this process's one boot-time reading."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
         return None
+    fields = data[data.rindex(b")") + 2 :].split()  # the name, in parentheses, may hold spaces
+    return _boot_time() + int(fields[19]) / _CLK_TCK
 
 
 def ssh_client_of(peer: Peer) -> ProcessInfo | None:
@@ -392,7 +419,7 @@ def descends_from(pid: int, ancestors: set[tuple[int, float]]) -> bool:
     with contextlib.suppress(psutil.Error):
         p: psutil.Process | None = psutil.Process(pid)
         while p is not None and p.pid > 0:
-            if (p.pid, p.create_time()) in ancestors:
+            if (p.pid, _start_time(p.pid)) in ancestors:
                 return True
             p = p.parent()
     return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bastion.core.subject import ProcessInfo, SubjectKind
@@ -72,3 +74,29 @@ def test_a_registered_front_acts_for_its_parent_while_it_runs_what_it_registered
     assert resolver.subject_index([PROXY, SSH, other, client, INIT]) == (2, SubjectKind.PROCESS)
     resolver.forget(front.pid, front.start_time)
     assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
+
+
+def test_a_start_time_survives_a_wall_clock_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real bench run saw the VM's clock stepped by 12 s: psutil's create_time (the
+    wall clock minus the uptime, read afresh) moved for every process, and 32 approved
+    agents were asked again. The start time is now the process's start in ticks since
+    boot on one boot-time reading, so a step in /proc/stat's btime changes nothing."""
+    import os
+
+    from bastion import identity
+
+    before = identity._start_time(os.getpid())
+    stat = Path("/proc/stat").read_text()
+    btime = next(int(line.split()[1]) for line in stat.splitlines() if line.startswith("btime"))
+    real_read_text = Path.read_text
+
+    def stepped(self: Path, *args: object, **kwargs: object) -> str:
+        if str(self) == "/proc/stat":
+            return stat.replace(f"btime {btime}", f"btime {btime + 12}")
+        return real_read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", stepped)
+    assert Path("/proc/stat").read_text() != stat  # the step is visible
+    assert identity._start_time(os.getpid()) == before
+    assert identity.alive(os.getpid(), before)
+    assert identity._start_time(2**22 + 7) is None  # no such process
