@@ -13,7 +13,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-MAX_LINE = 1 << 20
+MAX_LINE = 1 << 20  # a request; the gateway refuses a longer one
+# An answer: the gateway is the operator's own process, and its audit views grow with
+# the journal (4,000 requests make `audit activity` about 4 MB).
+MAX_REPLY = 1 << 30
 MAX_DEPTH = 32  # arrays and objects inside each other, on either socket
 
 _TOKEN = re.compile(rb'[][{}"]')
@@ -89,9 +92,11 @@ def call(path: Path, op: str, timeout: float = 30.0, **args: Any) -> Any:
     with sock, sock.makefile("rwb") as f:
         f.write(json.dumps({"op": op, **args}).encode() + b"\n")
         f.flush()
-        line = f.readline(MAX_LINE)
+        line = f.readline(MAX_REPLY)
     if not line:
         raise OperatorError("the gateway closed the connection without answering")
+    if not line.endswith(b"\n"):
+        raise OperatorError("the gateway's answer was cut off before its end")
     try:
         reply = loads_line(line)
     except ValueError as exc:
