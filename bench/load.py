@@ -65,13 +65,17 @@ def bench_sshd(root: Path, pub: str, clean_home: bool) -> Sshd:
     return Sshd(root / "sshd", authorized_keys=[pub], session_home=clean_home)
 
 
-def wait_fds(pid: int, baseline: int, timeout: float = 10.0) -> int:
+def settled_fds(pid: int, quiet: float = 1.0, timeout: float = 15.0) -> int:
     """The gateway's open descriptors once the agents' last connections have closed on
-    its side too (they close a moment after the clients exit): the count when it is
-    back to `baseline`, or whatever it is after `timeout`."""
+    its side too (a moment after the clients exit): the count once it has not changed
+    for `quiet` seconds, or whatever it is after `timeout`."""
     deadline = time.monotonic() + timeout
-    while (fds := proc_status(pid)["fds"]) > baseline and time.monotonic() < deadline:
+    fds, since = proc_status(pid)["fds"], time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
         time.sleep(0.1)
+        now = proc_status(pid)["fds"]
+        if now != fds:
+            fds, since = now, time.monotonic()
     return fds
 
 
@@ -171,18 +175,18 @@ class Setup:
 
     target_rc: bool = False
     inflight: int | None = None
-    agent_shell: str | None = None
+    agent_shell: str = "/bin/sh"
 
     def rig(self, root: Path) -> Rig:
         toml = None if self.inflight is None else f"[limits]\ninflight = {self.inflight}\n"
-        env = {} if self.agent_shell is None else {"SHELL": self.agent_shell}
+        env = {"SHELL": self.agent_shell}
         return Rig(root, clean_home=not self.target_rc, bastion_toml=toml, agent_env=env)
 
     def describe(self) -> dict[str, Any]:
         return {
             "target_rc": self.target_rc,
             "inflight": self.inflight,
-            "agent_shell": self.agent_shell or os.environ.get("SHELL", "/bin/sh"),
+            "agent_shell": self.agent_shell,
             "agent_shlvl": os.environ.get("SHLVL"),
         }
 
@@ -224,6 +228,7 @@ def concurrency(
         one_round(agents, 1, rig.direct)  # warm both paths: sshd's caches, the pool
         one_round(agents, 1, None)
         base = proc_status(rig.gateway_pid)
+        base["fds"] = settled_fds(rig.gateway_pid)  # the warm-up's connections closed
         reset_peak(rig.gateway_pid)  # the peak so far is the unlock's Argon2id (512 MiB)
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "bastion": []}
         spy = None
@@ -246,7 +251,7 @@ def concurrency(
         load = rig.bastion.op("status")["load"] if rig.bastion else {}
         for a in agents:
             a.close()
-        settled = wait_fds(rig.gateway_pid, base["fds"])
+        settled = settled_fds(rig.gateway_pid)
         # Every request the gateway saw has exactly one ending in the journal.
         assert rig.bastion is not None
         rows = json.loads(rig.bastion.cli("audit", "activity", "--json").stdout)
@@ -318,8 +323,9 @@ def report(r: dict[str, Any]) -> str:
         g = r["gateway"]
         lines.append(
             f"  bastion/direct: throughput {r['ratio_throughput']:.2f}x, p95 {r['ratio_p95']:.2f}x;"
-            f" gateway peak RSS {g['peak_rss_mb']:.0f} MB, fds {g['fds_before']} -> "
-            f"{g['fds_after']} (after the agents left: {g['fds_settled']}); RSS after each "
+            f" gateway peak RSS {g['peak_rss_mb']:.0f} MB, fds {g['fds_before']} after the "
+            f"warm-up, {g['fds_after']} in the last round, {g['fds_settled']} after the agents "
+            "left; RSS after each "
             "bastion round " + ", ".join(f"{x:.0f}" for x in g["rss_mb_by_round"]) + " MB"
         )
         j = r["journal"]
@@ -356,7 +362,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--agent-shell",
-        help="SHELL for the agents' ssh, which runs the ProxyCommand with it (default: inherited)",
+        default="/bin/sh",
+        help="SHELL for the agents' ssh, which runs the ProxyCommand with it (/bin/bash with "
+        "SHLVL=0 reads ~/.bashrc first)",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
