@@ -25,6 +25,11 @@ TIERS = ("unit", "integration", "container")
 # create hundreds of vaults. Every subprocess (bastion init, unlock, the daemon)
 # inherits this: vault.py's cheap profile, documented as for tests only.
 os.environ["BASTION_KDF_PROFILE"] = "test"
+# Every ssh a test starts runs its ProxyCommand with $SHELL, and bash given a socket on
+# stdin with SHLVL 0 reads ~/.bashrc first. A machine whose rc starts pyenv then pays
+# ~150 ms a command -- and a pyenv lock left behind by any killed shell stalls each one
+# for 60 s, which is how a CI run on such a machine timed out (README, "Slow commands").
+os.environ["SHELL"] = "/bin/sh"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
