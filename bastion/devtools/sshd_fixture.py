@@ -327,7 +327,7 @@ class Sshd:
         if self.session_home and tag in text:
             home = self.run_dir / "session-home"
             home.mkdir(mode=0o700, exist_ok=True)
-            text = text.replace(tag, f"{tag} HOME={home}")
+            text = text.replace(tag, f'{tag} "HOME={home}"')  # quoted: a path may hold spaces
         self.config_path.write_text(text, encoding="utf-8")
 
     def _validate_config(self) -> None:

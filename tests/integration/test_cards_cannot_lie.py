@@ -14,7 +14,9 @@ import pyte
 from tests.harness import Agent, Bastion, Terminal, make_bastion, policy_toml, python_copy
 
 HOSTILE = "\r\x1b[2K  command:  uptime\x1b[8m\u202e\u200b"
-OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m")
+# The prompt's own control: its colours, the bell for a new card, and the status
+# line's "back to the start, erase the line" (cli/prompt.py CLEAR_LINE, notify.BELL).
+OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07")
 
 
 def test_every_string_on_a_card_is_escaped_and_the_screen_shows_the_real_command(
