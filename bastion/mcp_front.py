@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,6 +51,25 @@ class Front:
 
     def ask(self, query: str, **fields: str) -> dict[str, Any]:
         return agent_exec.ask(self.agent_socket, {"query": query, **fields})
+
+    def account_of(self, host: str) -> str | None:
+        """The host's only account, as the policy says now (what a `User` line in the
+        agents' ssh_config says, without a config to go stale). None when the gateway
+        cannot say: the request then goes without one, and the gateway answers why."""
+        try:
+            doc = self.ask("hosts")
+        except AgentError:
+            return None
+        for entry in doc.get("hosts") or []:
+            if entry.get("host", "").lower() == host.lower():
+                accounts = [a["user"] for a in entry.get("accounts") or []]
+                if len(accounts) > 1:
+                    raise AgentError(
+                        f"host {host!r} has several accounts ({', '.join(accounts)}): "
+                        "name one with `user`"
+                    )
+                return accounts[0] if accounts else None
+        return None
 
 
 def error_result(error: dict[str, Any], extra: dict[str, Any] | None = None) -> CallToolResult:
@@ -177,7 +196,9 @@ def build(front: Front) -> MCPServer:
             host, command, user, (stdin or "").encode(), timeout_s, action_key, ack_unknown
         )
         try:
-            cmd.checked()
+            cmd = cmd.checked()
+            if cmd.user is None:
+                cmd = replace(cmd, user=await asyncio.to_thread(front.account_of, host))
             await asyncio.to_thread(agent_exec.register_front, front.agent_socket)
         except AgentError as exc:
             return internal(str(exc))

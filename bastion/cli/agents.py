@@ -156,12 +156,16 @@ def home_ssh_config(
     python: str | None = None,
     proxy_path: Path | None = None,
     origin: str = "bastion ssh-config",
+    with_users: bool = True,
 ) -> str:
-    """The agents' ssh_config for this home (fails with the reason when it cannot)."""
+    """The agents' ssh_config for this home (fails with the reason when it cannot).
+    `with_users=False` leaves out the per-host `User` lines, and so needs no policy."""
     from bastion.core.policy import PolicyError
 
+    users: dict[str, str] = {}
     try:
-        users = policy_users((policies or home.policies).absolute())
+        if with_users:
+            users = policy_users((policies or home.policies).absolute())
     except PolicyError as exc:
         fail(f"the policy cannot be loaded: {exc}")
     try:

@@ -50,7 +50,10 @@ def mcp(
     with tempfile.TemporaryDirectory(prefix="bastion-mcp-") as tmp:
         if ssh_config is None:
             ssh_config = Path(tmp) / "ssh_config"
-            ssh_config.write_text(home_ssh_config(home, None, agent_socket, origin="bastion mcp"))
+            # No per-host User lines: each call asks the gateway for the host's account,
+            # so a policy that is broken when the client starts the server stops nothing.
+            text = home_ssh_config(home, None, agent_socket, origin="bastion mcp", with_users=False)
+            ssh_config.write_text(text)
         elif not ssh_config.is_file():
             fail(f"no ssh_config at {ssh_config} (make one with `bastion ssh-config`)")
         sock = agent_socket or agent_exec.socket_of(ssh_config) or home.agent_socket

@@ -254,3 +254,27 @@ def test_the_agent_socket_answers_only_the_questions_it_knows(bastion: Bastion) 
     with pytest.raises(agent_exec.Refused, match="malformed registration"):
         agent_exec._converse(sock, {"register": "subject"}, 4096)
     assert agent_exec.ask(sock, {"query": "hosts"})["hosts"][0]["host"] == "web1"
+
+
+def test_a_policy_broken_when_the_client_starts_stops_nothing_for_long(
+    bastion: Bastion, sshd: SshdInfo
+) -> None:
+    """The server starts whatever the policy's state (it asks the gateway for each
+    host's account per call, not once), says POLICY_UNAVAILABLE while the policy is
+    broken, and runs commands once it is fixed -- no restart of the MCP client."""
+    good = policy_toml(sshd)
+    bastion.write_policy("[hosts.web1]\naddres = 'typo'\n")
+    client = McpClient(bastion)
+    err = error_of(client.call("ssh_hosts"))
+    assert err["code"] == "POLICY_UNAVAILABLE", err
+    err = error_of(client.call("ssh_exec", host="web1", command="true"))
+    assert err["code"] == "POLICY_UNAVAILABLE", err
+    bastion.write_policy(good)
+    rid = client.start("call", name="ssh_exec", arguments={"host": "web1", "command": "id -un"})
+    bastion.approve_next()
+    assert client.wait(rid)["structured"]["stdout"] == f"{USER}\n"
+    # A host with two accounts: the call must name one.
+    second = '\n[[hosts.web1.accounts]]\nuser = "other"\ncredential = "deploy-key"\n'
+    bastion.write_policy(good + second)
+    r = client.call("ssh_exec", host="web1", command="true")
+    assert "several accounts" in error_of(r)["message"] and "other" in error_of(r)["message"]
