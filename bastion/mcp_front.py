@@ -220,7 +220,9 @@ def build(front: Front) -> MCPServer:
                 + " Nothing was sent to the target."
             )
         try:
-            state = await asyncio.to_thread(front.ask, "request", action_key=ran.action_key)
+            state = await asyncio.to_thread(
+                front.ask, "request", action_key=ran.action_key, only="id"
+            )
         except AgentError:
             state = {}
         return ok_result(ran, ran.exit_status, state.get("request_id"))

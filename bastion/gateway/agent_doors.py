@@ -108,6 +108,8 @@ class AgentDoors:
         request_id = header.get("request_id") or self._by_action(header.get("action_key", ""))
         if not request_id:
             raise ValueError("no request with that id or action key")
+        if header.get("only") == "id":
+            return {"request_id": request_id}  # no journal read: asked after every command
         state = events.request_state(
             journal.records(self._journal_dir), request_id, self.gw.boot_id
         )
