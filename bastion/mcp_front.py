@@ -212,19 +212,20 @@ def build(front: Front) -> MCPServer:
             return await timed_out(front, cmd, ran)
         if ran.error is not None:
             return error_result(ran.error, outputs(ran))
-        if ran.exit_status == 255:
-            tail = ran.stderr.data.decode("utf-8", "replace").strip().splitlines()[-3:]
-            return internal(
-                "ssh failed before reaching the gateway: "
-                + " | ".join(tail)
-                + " Nothing was sent to the target."
-            )
         try:
             state = await asyncio.to_thread(
                 front.ask, "request", action_key=ran.action_key, only="id"
             )
         except AgentError:
             state = {}
+        if ran.exit_status == 255 and not state.get("request_id"):
+            # ssh's own failure (the remote command's 255 has a request behind it).
+            tail = ran.stderr.data.decode("utf-8", "replace").strip().splitlines()[-3:]
+            return internal(
+                "ssh failed before reaching the gateway: "
+                + " | ".join(tail)
+                + " Nothing was sent to the target."
+            )
         return ok_result(ran, ran.exit_status, state.get("request_id"))
 
     @server.tool(

@@ -108,6 +108,10 @@ def test_tools_run_exactly_and_the_client_is_the_subject(bastion: Bastion) -> No
     r = client.call("ssh_exec", host="web1", command="cat; printf '\\377\\000\\001'", stdin="in\n")
     s = r["structured"]
     assert s["stdout"] is None and base64.b64decode(s["stdout_base64"]) == b"in\n\xff\x00\x01"
+    # A remote command's own exit 255 is its result, not "ssh failed, nothing sent".
+    r = client.call("ssh_exec", host="web1", command="exit 255")
+    assert not r["is_error"] and r["structured"]["exit_status"] == 255, r
+    assert r["structured"]["request_id"].startswith("req_")
     # request_status answers what `bastion request` answers.
     r = client.call("request_status", request_id=s["request_id"])
     assert r["structured"] == state(bastion, s["request_id"])
