@@ -1,307 +1,69 @@
 """The encrypted key store: the only place private keys exist at rest.
 
-One JSON file. The passphrase is stretched with Argon2id (scrypt in old vaults); each private
-key is its own ChaCha20-Poly1305 record whose associated data binds the format tag, label and
-public metadata, so a record cannot be moved to another label or paired with another public
-key. Public metadata stays plaintext so `key list` / `key public` work while locked. The
-persisted `epoch` rises on every unlock and lock and never goes back: approvals are bound to
-it, so any change of vault state voids them. The daemon and an offline CLI may both write,
-so every write takes a flock on `<vault>.lock` and re-reads the file first.
+The file's format and its locked, atomic writes are `vault_file.py`; this is the handle the
+gateway and the CLI hold. The persisted `epoch` rises on every unlock and lock and never goes
+back: approvals are bound to it, so any change of vault state voids them. Besides SSH keys
+the vault seals small secrets (an OpenBao token) and keeps the last certificate serial it
+handed out, so serials never repeat across restarts.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import fcntl
-import json
-import logging
 import os
-import re
-import tempfile
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import replace
 from pathlib import Path
 
 import asyncssh
-from argon2.exceptions import HashingError
-from argon2.low_level import Type, hash_secret_raw
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
-from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
-log = logging.getLogger(__name__)
+from bastion.vault_file import (
+    _VERIFIER,
+    GENERATE,
+    IMPORTABLE,
+    KDF_FIELDS,
+    KDF_PROFILES,
+    RESERVED_PREFIX,
+    KeyFilePassphraseNeeded,
+    KeyInfo,
+    VaultError,
+    VaultLocked,
+    WrongPassphrase,
+    _check_key_type,
+    _check_label,
+    _Doc,
+    _flock,
+    _Kdf,
+    _key_info,
+    _matches,
+    _read,
+    _Record,
+    _record_ad,
+    _rekey,
+    _Secret,
+    _write,
+    _zero,
+    load_private_key_file,
+    log,
+    now_stamp,
+)
 
-FORMAT = "bastion-vault-1"
-# Argon2id (t passes, m KiB, p lanes). "strong", the default, took 0.78-0.83 s on 2 cores.
-# "test" is for test suites only (BASTION_KDF_PROFILE=test, read at each derivation).
-KDF_PROFILES = {"strong": (2, 512 * 1024, 2), "test": (1, 1024, 1)}
-KDF_FIELDS = {"scrypt": ("n", "r", "p"), "argon2id": ("t", "m", "p")}
-LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-GENERATE: dict[str, dict[str, int]] = {
-    "ssh-ed25519": {},
-    "ecdsa-sha2-nistp256": {},
-    "ssh-rsa": {"key_size": 3072},
-}
-IMPORTABLE = frozenset(GENERATE) | {"ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521"}
-MIN_RSA_BITS = 2048
-MAX_KEY_FILE = 1 << 20
-_VERIFIER = b"bastion vault passphrase verifier"
-_PUBLIC = ("label", "algorithm", "public_key", "created_at")  # a record's plaintext fields
-RESERVED_PREFIX = "bastion-"  # labels bastion keeps for itself (the journal identity)
-
-
-class VaultError(Exception):
-    """A vault failure a person can act on; never carries secret bytes."""
-
-
-class WrongPassphrase(VaultError): ...
-
-
-class VaultLocked(VaultError): ...
-
-
-class KeyFilePassphraseNeeded(VaultError): ...
-
-
-@dataclass(frozen=True)
-class KeyInfo:
-    label: str
-    algorithm: str
-    public_key: str
-    fingerprint: str
-    created_at: str
-
-
-@dataclass(frozen=True)
-class _Record:
-    info: KeyInfo
-    nonce: bytes
-    ciphertext: bytes
-
-
-@dataclass(frozen=True)
-class _Kdf:
-    name: str  # a key of KDF_FIELDS; scrypt is only ever read
-    params: tuple[int, ...]  # in KDF_FIELDS order: scrypt (n, r, p), argon2id (t, m KiB, p)
-    salt: bytes
-
-    @staticmethod
-    def default() -> _Kdf:  # a fresh salt, and the strong profile unless asked for "test"
-        test = os.environ.get("BASTION_KDF_PROFILE") == "test"
-        return _Kdf("argon2id", KDF_PROFILES["test" if test else "strong"], os.urandom(16))
-
-    def weaker_than(self, other: _Kdf) -> bool:  # another KDF, fewer passes or less memory
-        return self.name != other.name or any(map(int.__lt__, self.params[:2], other.params))
-
-    def verifier_ad(self) -> bytes:
-        name = [] if self.name == "scrypt" else [self.name]  # scrypt's shape predates the name
-        return json.dumps([FORMAT, "verifier", self.salt.hex(), *name, *self.params]).encode()
-
-    def derive(self, passphrase: bytes) -> bytearray:
-        """The 32-byte key, in a bytearray we can wipe (the libraries' own bytes are not)."""
-        if not isinstance(passphrase, bytes | bytearray):
-            raise TypeError("passphrase must be bytes")
-        a, b, p = self.params
-        if self.name == "scrypt":
-            return bytearray(Scrypt(salt=self.salt, length=32, n=a, r=b, p=p).derive(passphrase))
-        try:
-            return bytearray(hash_secret_raw(bytes(passphrase), self.salt, a, b, p, 32, Type.ID))
-        except HashingError as e:  # e.g. the memory could not be allocated; no secret in it
-            log.warning("argon2id with %d KiB failed: %s", b, e)
-            raise VaultError(f"cannot derive the vault key (argon2id, {b} KiB): {e}") from None
-
-
-@dataclass(frozen=True)
-class _Doc:
-    epoch: int
-    kdf: _Kdf
-    verifier_nonce: bytes
-    verifier: bytes
-    records: tuple[_Record, ...]
-
-    def find(self, label: str) -> _Record | None:
-        return next((rec for rec in self.records if rec.info.label == label), None)
-
-
-def _check_label(label: str) -> None:
-    if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
-        raise VaultError(
-            f"invalid key label {label!r}: use 1-64 characters from A-Z a-z 0-9 . _ -"
-            ", starting with a letter or digit"
-        )
-
-
-def _check_key_type(key: asyncssh.SSHKey) -> str:
-    """Refuse key types the dispatcher cannot use safely (DSA, security-key handles, weak RSA)."""
-    alg = key.get_algorithm()
-    if alg not in IMPORTABLE:
-        raise VaultError(f"unsupported key type {alg}: use ed25519, ecdsa or rsa")
-    if alg == "ssh-rsa":
-        bits = load_ssh_public_key(key.export_public_key()).key_size
-        if bits < MIN_RSA_BITS:
-            raise VaultError(f"RSA key of {bits} bits is too weak: at least {MIN_RSA_BITS} needed")
-    return alg
-
-
-def _key_info(label: str, public_key: str, created_at: str) -> KeyInfo:
-    pub = asyncssh.import_public_key(public_key)
-    return KeyInfo(
-        label, pub.get_algorithm(), public_key, pub.get_fingerprint("sha256"), created_at
-    )
-
-
-def _record_ad(info: KeyInfo) -> bytes:
-    return json.dumps(
-        [FORMAT, "key", info.label, info.algorithm, info.public_key, info.created_at]
-    ).encode()
-
-
-def _zero(*keys: bytearray | None) -> None:
-    for key in filter(None, keys):
-        key[:] = bytes(len(key))
-
-
-def _matches(key: bytearray, doc: _Doc) -> bool:
-    ad = doc.kdf.verifier_ad()
-    try:
-        return ChaCha20Poly1305(key).decrypt(doc.verifier_nonce, doc.verifier, ad) == _VERIFIER
-    except InvalidTag:
-        return False
-
-
-def _rekey(doc: _Doc, old: bytearray, kdf: _Kdf, new: bytearray) -> _Doc | None:
-    """`doc` under `kdf` and its key `new`: a new verifier, each record re-sealed with its own
-    associated data and a fresh nonce; None if a record fails authentication (left as is)."""
-    old_aead, new_aead, records = ChaCha20Poly1305(old), ChaCha20Poly1305(new), []
-    for rec in doc.records:
-        nonce, ad = os.urandom(12), _record_ad(rec.info)
-        try:
-            plain = old_aead.decrypt(rec.nonce, rec.ciphertext, ad)
-        except InvalidTag:
-            log.warning("vault KDF not upgraded: record %r fails authentication", rec.info.label)
-            return None
-        records.append(_Record(rec.info, nonce, new_aead.encrypt(nonce, plain, ad)))
-    nonce = os.urandom(12)
-    verifier = new_aead.encrypt(nonce, _VERIFIER, kdf.verifier_ad())
-    return _Doc(doc.epoch, kdf, nonce, verifier, tuple(records))
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
-
-
-def _parse(path: Path, raw: bytes) -> _Doc:
-    """Validate everything up front, so later code never meets a half-formed vault."""
-    try:
-        obj = json.loads(raw)
-        if obj.get("format") != FORMAT:
-            raise ValueError("unknown format")
-        kdf, ver, epoch = obj["kdf"], obj["verifier"], obj["epoch"]
-        kdf = _Kdf(kdf["name"], tuple(kdf[f] for f in KDF_FIELDS[kdf["name"]]), _unb64(kdf["salt"]))
-        if any(type(v) is not int for v in (epoch, *kdf.params)) or epoch < 0:
-            raise ValueError("bad header")
-        a, b, p = kdf.params  # bounds first: a hostile file must not hang us or eat memory
-        scrypt_ok = a > 1 and not a & (a - 1) and 0 < b <= 16 and a * b <= 2**21 and 0 < p <= 4
-        argon2_ok = 0 < a <= 20 and 0 < p <= 16 and 8 * p <= b <= 4 * 2**20  # 20 passes, 4 GiB
-        if not (scrypt_ok if kdf.name == "scrypt" else argon2_ok):
-            raise ValueError("kdf parameters out of range")
-        records = []
-        for item in obj["keys"]:
-            if not all(isinstance(item[f], str) for f in (*_PUBLIC, "nonce", "ciphertext")):
-                raise ValueError("bad record")
-            _check_label(item["label"])
-            info = _key_info(item["label"], item["public_key"], item["created_at"])
-            if info.algorithm != item["algorithm"] or info.algorithm not in IMPORTABLE:
-                raise ValueError("algorithm mismatch")
-            rec = _Record(info, _unb64(item["nonce"]), _unb64(item["ciphertext"]))
-            if len(rec.nonce) != 12 or any(o.info.label == info.label for o in records):
-                raise ValueError("bad record")
-            records.append(rec)
-        doc = _Doc(epoch, kdf, _unb64(ver["nonce"]), _unb64(ver["ciphertext"]), tuple(records))
-        if len(kdf.salt) != 16 or len(doc.verifier_nonce) != 12:
-            raise ValueError("bad salt or nonce")
-        return doc
-    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, VaultError) as e:
-        reason = type(e).__name__ if isinstance(e, KeyError | TypeError) else str(e)[:80]
-        raise VaultError(
-            f"vault file {path} is corrupt or not a bastion vault ({reason}); "
-            "restore it from a backup, or move it aside and run `bastion init`"
-        ) from None
-
-
-def _serialize(doc: _Doc) -> bytes:
-    keys = [
-        {f: getattr(rec.info, f) for f in _PUBLIC}
-        | {"nonce": _b64(rec.nonce), "ciphertext": _b64(rec.ciphertext)}
-        for rec in doc.records
-    ]
-    kdf = doc.kdf
-    params = dict(zip(KDF_FIELDS[kdf.name], kdf.params, strict=True))
-    obj = {
-        "format": FORMAT,
-        "epoch": doc.epoch,
-        "kdf": {"name": kdf.name, **params, "salt": _b64(kdf.salt)},
-        "verifier": {"nonce": _b64(doc.verifier_nonce), "ciphertext": _b64(doc.verifier)},
-        "keys": keys,
-    }
-    return json.dumps(obj, indent=2).encode() + b"\n"
-
-
-def _read(path: Path) -> _Doc:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise VaultError(f"no vault at {path}; run `bastion init` to create one") from None
-    except OSError as e:
-        raise VaultError(f"cannot read vault {path}: {e.strerror}") from None
-    return _parse(path, raw)
-
-
-def _write(path: Path, doc: _Doc) -> None:
-    """Atomic replace: a crash leaves either the old or the new vault, never a torn one."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(_serialize(doc))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        raise VaultError(f"cannot write vault {path}: {e.strerror}") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    try:
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise VaultError(f"cannot lock vault {path}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the flock
+__all__ = [
+    "GENERATE",
+    "IMPORTABLE",
+    "KDF_FIELDS",
+    "KDF_PROFILES",
+    "RESERVED_PREFIX",
+    "KeyFilePassphraseNeeded",
+    "KeyInfo",
+    "Vault",
+    "VaultError",
+    "VaultLocked",
+    "WrongPassphrase",
+    "load_private_key_file",
+]
 
 
 class Vault:
@@ -454,8 +216,7 @@ class Vault:
         key = asyncssh.import_private_key(private_key.export_private_key("openssh"))  # a copy
         key.set_comment(f"bastion:{label}")
         public = key.export_public_key("openssh").decode().strip()
-        now = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-        info = _key_info(label, public, now)
+        info = _key_info(label, public, now_stamp())
         nonce = os.urandom(12)
         with self._mutex, _flock(self.path):
             doc = self._load()
@@ -476,6 +237,46 @@ class Vault:
             self._unlocked_key(doc)
             _write(self.path, replace(doc, records=tuple(r for r in doc.records if r is not rec)))
             self._cache.pop((label, rec.info.public_key), None)
+
+    def reserve_serials(self, count: int) -> range:
+        """`count` certificate serials no earlier or later reservation gets: the file
+        keeps the last one handed out, so a restart, a crash or a second gateway on
+        the same vault never repeats one (a crash only skips the unused rest)."""
+        with self._mutex, _flock(self.path):
+            doc = self._load()
+            self._unlocked_key(doc)
+            if doc.serial + count >= 2**64:
+                raise VaultError(f"the vault {self.path} has no certificate serials left")
+            _write(self.path, replace(doc, serial=doc.serial + count))
+        return range(doc.serial + 1, doc.serial + count + 1)
+
+    def put_secret(self, label: str, secret: bytes) -> None:
+        """Seal a secret under `label`, replacing one of the same label."""
+        _check_label(label)
+        with self._mutex, _flock(self.path):
+            doc = self._load()
+            aead = ChaCha20Poly1305(self._unlocked_key(doc))
+            nonce, created = os.urandom(12), now_stamp()
+            sec = _Secret(label, created, nonce, b"")
+            sec = replace(sec, ciphertext=aead.encrypt(nonce, bytes(secret), sec.ad()))
+            kept = tuple(s for s in doc.secrets if s.label != label)
+            _write(self.path, replace(doc, secrets=(*kept, sec)))
+
+    def secret(self, label: str) -> bytes:
+        """A sealed secret's bytes; VaultError naming the label if there is none."""
+        with self._mutex:
+            doc = self._load()
+            key = self._unlocked_key(doc)
+            sec = next((s for s in doc.secrets if s.label == label), None)
+            if sec is None:
+                raise VaultError(f"no secret labelled {label!r} in the vault {self.path}")
+            try:
+                return ChaCha20Poly1305(key).decrypt(sec.nonce, sec.ciphertext, sec.ad())
+            except InvalidTag:
+                raise VaultError(f"secret {label!r} in the vault {self.path}: tampered") from None
+
+    def secret_labels(self) -> list[str]:
+        return [s.label for s in self._load().secrets]
 
     def private_key(self, label: str) -> asyncssh.SSHKey:
         with self._mutex:
@@ -522,29 +323,3 @@ class Vault:
             raise VaultError(f"key {label!r} in the vault {self.path}: record tampered") from None
         finally:
             _zero(key)
-
-
-def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSHKey:
-    """Import a user's key file; errors are fixed phrases so no file bytes leak into them."""
-    if len(data) > MAX_KEY_FILE:
-        raise VaultError("not a private key: file too large")
-    try:
-        key = asyncssh.import_private_key(data, passphrase)
-    except Exception as e:  # asyncssh parsers raise many types; never chain (may hold bytes)
-        msg = str(e) if isinstance(e, ValueError) else ""
-        if msg.startswith("Passphrase must be specified"):
-            raise KeyFilePassphraseNeeded(
-                "the key file is encrypted; a passphrase is needed"
-            ) from None
-        if "requires bcrypt" in msg:  # asyncssh needs bcrypt for OpenSSH's own encryption
-            raise VaultError(
-                "cannot decrypt an OpenSSH-encrypted key file: the Python "
-                "package bcrypt is not installed"
-            ) from None
-        if msg.startswith(("Incorrect passphrase", "Unable to decrypt")):
-            raise VaultError("wrong passphrase for key file") from None
-        head = msg.split(":")[0].strip()
-        reason = head if re.fullmatch(r"[A-Za-z0-9#, ]{1,60}", head) else "malformed key data"
-        raise VaultError(f"not a private key: {reason}") from None
-    _check_key_type(key)
-    return key

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from bastion import vault as vault_mod
+from bastion import vault_file
 from bastion.vault import (
     KeyFilePassphraseNeeded,
     Vault,
@@ -293,8 +294,8 @@ def test_a_hostile_kdf_block_is_refused_before_any_derivation(
     def no_derivation(*args: object, **kwargs: object) -> None:
         raise AssertionError("a KDF ran on a hostile vault file")
 
-    monkeypatch.setattr(vault_mod, "hash_secret_raw", no_derivation)
-    monkeypatch.setattr(vault_mod, "Scrypt", no_derivation)
+    monkeypatch.setattr(vault_file, "hash_secret_raw", no_derivation)
+    monkeypatch.setattr(vault_file, "Scrypt", no_derivation)
     for attempt in (
         lambda: Vault.open(path),
         lambda: h.unlock(PW),
