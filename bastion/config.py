@@ -22,6 +22,18 @@ run without a witness the operator asked for. A missing file means defaults
     inflight = 128           # commands dispatched at once; past it they queue,
                              # each subject in turn
     queue_wait = 30          # seconds a queued command waits before GATEWAY_BUSY
+
+    [ca]                     # who signs the certificates of `auth = "certificate"` accounts
+    backend = "vault"        # the vault's own CA (`bastion ca init`), or "openbao": a
+                             # team's OpenBao / HashiCorp Vault SSH secrets engine:
+    address = "https://bao.example:8200"
+    mount = "ssh"            # where the SSH secrets engine is mounted
+    role = "bastion"         # the role that signs (`ssh/sign/ROLE`)
+    approle_mount = "approle"  # where AppRole auth is mounted, if the login is an AppRole
+    tls_ca = "/etc/ssl/certs/bao-ca.pem"  # the CA bundle that verifies OpenBao's TLS
+    timeout = 10             # seconds one signing may take before the request fails
+    # The token or AppRole secret is never in this file: `bastion ca openbao-login`
+    # seals it in the vault.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
 WITNESS_KEYS = ("file", "syslog", "every", "buffer_max", "when_full")
 EXPORT_KEYS = ("with_commands",)
 LIMITS_KEYS = ("inflight", "queue_wait")
+CA_KEYS = ("backend", "address", "mount", "role", "approle_mount", "tls_ca", "timeout")
+CA_BACKENDS = ("vault", "openbao")
 WHEN_FULL = ("continue", "refuse")
 
 
@@ -75,10 +89,24 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class CaConfig:
+    """Who signs per-command certificates. For "openbao", the rest says where."""
+
+    backend: str = "vault"
+    address: str = ""
+    mount: str = "ssh"
+    role: str = ""
+    approle_mount: str = "approle"
+    tls_ca: Path | None = None
+    timeout: float = 10.0
+
+
+@dataclass(frozen=True)
 class Config:
     witness: WitnessConfig = WitnessConfig()
     export_with_commands: bool = False
     limits: Limits = Limits()
+    ca: CaConfig = CaConfig()
 
 
 def _unknown(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -110,7 +138,7 @@ def parse_config(text: str, source: str) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    _unknown(data, ("witness", "export", "limits"), source)
+    _unknown(data, ("witness", "export", "limits", "ca"), source)
     raw = data.get("witness", {})
     if not isinstance(raw, dict):
         raise ConfigError(f'{source}: "witness" must be a table: [witness]')
@@ -143,7 +171,38 @@ def parse_config(text: str, source: str) -> Config:
         buffer_max=buffer_max,
         when_full=when_full,
     )
-    return Config(witness, with_commands, limits)
+    return Config(witness, with_commands, limits, _ca(data.get("ca", {}), source))
+
+
+def _ca(raw: object, source: str) -> CaConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{source}: "ca" must be a table: [ca]')
+    where = f"{source}: [ca]"
+    _unknown(raw, CA_KEYS, where)
+    backend = raw.get("backend", "vault")
+    if backend not in CA_BACKENDS:
+        raise ConfigError(f'{where}: "backend" must be "vault" or "openbao", got {backend!r}')
+    texts = {}
+    for key in ("address", "mount", "role", "approle_mount"):
+        value = raw.get(key, getattr(CaConfig, key))
+        if not isinstance(value, str) or any(c.isspace() for c in value):
+            raise ConfigError(f'{where}: "{key}" must be a string without spaces')
+        texts[key] = value.strip("/")
+    if backend == "openbao":
+        for key in ("address", "role"):
+            if not texts[key]:
+                raise ConfigError(f'{where}: backend "openbao" needs "{key}"')
+        if not texts["address"].startswith(("https://", "http://")):
+            raise ConfigError(f'{where}: "address" must be an http:// or https:// URL')
+    tls_ca = raw.get("tls_ca")
+    if tls_ca is not None and (not isinstance(tls_ca, str) or not tls_ca.startswith("/")):
+        raise ConfigError(f'{where}: "tls_ca" must be an absolute path, got {tls_ca!r}')
+    timeout = raw.get("timeout", 10)
+    if type(timeout) not in (int, float) or not 0 < timeout <= 120:
+        raise ConfigError(f'{where}: "timeout" must be a number of seconds, 0 < s <= 120')
+    return CaConfig(
+        backend, tls_ca=Path(tls_ca) if tls_ca else None, timeout=float(timeout), **texts
+    )
 
 
 def _limits(raw: object, source: str) -> Limits:

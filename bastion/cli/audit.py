@@ -153,6 +153,9 @@ def _activity_line(a: dict[str, Any]) -> str:
     end = a["outcome"] + (f" {a['code']}" if a.get("code") else "")
     if a.get("exit_status") is not None:
         end += f" exit {a['exit_status']}"
+    cert = a.get("certificate")
+    if cert:  # what the target's sshd logged for this login: ID <request id> (serial N)
+        end += f" cert serial {cert['serial']}"
     line = f"{a['request_id']}  {a['user']}@{a['host']}  {end:<28} {a['command']!r}"
     return escape_text(line)  # user, host and command came from an agent
 

@@ -62,11 +62,41 @@ def source_networks(value: object) -> tuple[str, ...]:
         raise CertError("must be a non-empty list of addresses or CIDR networks")
     nets = []
     for item in value:
+        if not isinstance(item, str):
+            raise CertError(f"{item!r} is not a string")
         try:
             nets.append(str(ipaddress.ip_network(item, strict=True)))
         except (TypeError, ValueError) as exc:
             raise CertError(f"{item!r} is not an address or CIDR network ({exc})") from None
     return tuple(dict.fromkeys(nets))
+
+
+def account_auth(raw: dict[str, object]) -> tuple[Auth, tuple[str, ...], int]:
+    """A policy account's `auth`, `source_address` and `cert_ttl`. A certificate account
+    must say where the gateway connects from, because sshd enforces it."""
+    value = raw.get("auth", Auth.KEY.value)
+    if value not in {m.value for m in Auth}:
+        raise CertError(f'field "auth" must be "key" or "certificate", got {value!r}')
+    auth = Auth(value)
+    if auth is Auth.KEY:
+        for key in ("source_address", "cert_ttl"):
+            if key in raw:
+                raise CertError(f'field "{key}" is only for accounts with auth = "certificate"')
+        return auth, (), DEFAULT_TTL
+    if "source_address" not in raw:
+        raise CertError(
+            'auth = "certificate" needs field "source_address": the addresses the target '
+            'sees the gateway connect from, e.g. source_address = ["10.0.0.5"]'
+        )
+    try:
+        nets = source_networks(raw["source_address"])
+    except CertError as exc:
+        raise CertError(f'field "source_address" {exc}') from None
+    try:
+        ttl = check_ttl(raw.get("cert_ttl", DEFAULT_TTL))
+    except CertError as exc:
+        raise CertError(f'field "cert_ttl" {exc}') from None
+    return auth, nets, ttl
 
 
 def check_ttl(value: object) -> int:

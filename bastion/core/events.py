@@ -80,6 +80,8 @@ class EventType(enum.Enum):
     REQUEST_RECEIVED = "request_received"
     DENIED = "denied"
     DISPATCH_STARTED = "dispatch_started"
+    # a certificate account's login for this one request was signed (serial, key id, CA)
+    CERTIFICATE_ISSUED = "certificate_issued"
     COMPLETED = Outcome.COMPLETED.value
     SIGNALLED = Outcome.SIGNALLED.value
     REMOTE_REJECTED = Outcome.REMOTE_REJECTED.value
@@ -242,6 +244,8 @@ def request_state(
             continue
         elif kind is EventType.DISPATCH_STARTED:
             dispatched = True
+        elif kind is EventType.CERTIFICATE_ISSUED:
+            state["certificate"] = certificate_of(entry)
         elif kind is EventType.DENIED:
             code = entry.meta.get("code")
             # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.
@@ -343,6 +347,7 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "cause": None,
                 "subject": e.get("subject"),
                 "received_at": e.get("t"),
+                "certificate": None,
             }
             continue
         row = rows.get(rid)
@@ -354,6 +359,8 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
             row.update(
                 session_id=entry.meta.get("session_id"), outcome=RequestState.IN_FLIGHT.value
             )
+        elif kind is EventType.CERTIFICATE_ISSUED:
+            row["certificate"] = certificate_of(entry)
         elif kind.outcome is not None:
             row.update(
                 outcome=kind.outcome.value,
@@ -362,6 +369,13 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 cause=entry.meta.get("cause"),
             )
     return list(rows.values())
+
+
+def certificate_of(entry: Entry) -> dict[str, Any]:
+    """The certificate a request logged in with, as the target's sshd logs it: key id
+    (the request id), serial, and the signing CA's fingerprint."""
+    meta = entry.meta
+    return {"serial": meta.get("serial"), "key_id": meta.get("key_id"), "ca": meta.get("ca")}
 
 
 def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:

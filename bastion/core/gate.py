@@ -18,6 +18,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
+from bastion.core.certs import Auth
 from bastion.core.contract import Code, Failure
 from bastion.core.defaults import MAX_COMMAND_BYTES
 from bastion.core.policy import (
@@ -121,6 +122,8 @@ class World:
     command_grant: CommandGrant | None  # the grant this request's command card produced
     now: float
     action_unknown: str | None = None  # the request whose outcome blocks this action key
+    # Why no per-command certificate can be signed now (no CA in the vault), or None.
+    certify_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,14 @@ def evaluate(req: Request, world: World) -> Verdict:
         return judged.deny
     host, account, check = judged.host, judged.account, judged.check
     assert host is not None and account is not None and check is not None
+    # 3a. A certificate account with nothing to sign its certificate: the policy asks
+    # for what this gateway cannot do, so no card is raised for a login that cannot happen.
+    if account.auth is Auth.CERTIFICATE and world.certify_problem is not None:
+        return Deny(
+            Code.POLICY_UNAVAILABLE,
+            f"The policy says {account.label} logs in with per-command certificates, but "
+            f"{world.certify_problem}. {NOT_SENT}",
+        )
     # 3b. The agent's logical action ended unknown last time: look before acting again.
     if world.action_unknown is not None:
         return Deny(

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
+from bastion.core.certs import DEFAULT_TTL, Auth, CertError, account_auth
 from bastion.core.command import Reading, RuleError, WordRule, parse_rule, read_command
 
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
@@ -40,6 +41,9 @@ _ACCOUNT_FIELDS = (
     "preapproved",
     "shell",
     "login_shell",
+    "auth",
+    "source_address",
+    "cert_ttl",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -81,6 +85,11 @@ class Account:
     host: str = ""  # alias of the owning host, so reasons can say "deploy@web1"
     shell: ShellMode = ShellMode.DENY
     login_shell: str = "posix"
+    # "certificate": a fresh key and a per-command certificate (core/certs.py) instead
+    # of `credential`, which may stay in the file but is never offered then.
+    auth: Auth = Auth.KEY
+    source_address: tuple[str, ...] = ()  # where the target sees the gateway come from
+    cert_ttl: int = DEFAULT_TTL
 
     @property
     def label(self) -> str:
@@ -250,7 +259,13 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
     user = _require(raw, "user", where)
     if not isinstance(user, str) or not _plain(user):
         fail(where, f'field "user" must be a non-empty string without spaces, got {quote(user)}')
-    credential = _name(_require(raw, "credential", where), "credential", where)
+    try:
+        auth, source_address, ttl = account_auth(raw)
+    except CertError as exc:
+        fail(where, str(exc))
+    credential = raw.get("credential", "")
+    if auth is Auth.KEY or credential:
+        credential = _name(_require(raw, "credential", where), "credential", where)
     approval = raw.get("approval", ApprovalMode.SESSION.value)
     modes = [m.value for m in ApprovalMode]
     if approval not in modes:
@@ -271,6 +286,9 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         host=host,
         shell=_shell_mode(raw, mode, allow is not None, where),
         login_shell=_login_shell(raw, where),
+        auth=auth,
+        source_address=source_address,
+        cert_ttl=ttl,
     )
 
 
@@ -356,7 +374,11 @@ def _account_doc(a: Account) -> dict[str, Any]:
         "preapproved": [r.text for r in a.preapproved],
         "shell": a.shell.value,
         "login_shell": a.login_shell,
-    }
+    } | (
+        {}
+        if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
+        else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+    )
 
 
 def entry_digest(host: Host, account: Account) -> str:

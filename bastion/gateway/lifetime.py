@@ -46,8 +46,10 @@ from bastion.gateway.agent_doors import AgentDoors
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
+from bastion.gateway.certify import Certifier
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
+from bastion.gateway.issuer import OPENBAO_SECRET, Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, Recorder
 from bastion.gateway.service import PolicyWatch, Service
@@ -143,6 +145,7 @@ class Gateway:
             admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
+            certifier=Certifier(self._issuer(), self.recorder),
         )
         self.foreign = ForeignRecords(self.recorder)
         self.authority = Authority(self.service, self.vault, self.certify, self.foreign.report)
@@ -155,6 +158,14 @@ class Gateway:
         self._stop = asyncio.Event()
         self._agent_listener: AgentListener | None = None
         self._operator_server: opserver.OperatorServer | None = None
+
+    def _issuer(self) -> Issuer:
+        """Who signs certificate accounts' logins: the vault's CA, or OpenBao."""
+        if self.config.ca.backend == "openbao":
+            from bastion.gateway.openbao import OpenBaoCA  # hvac: an optional extra
+
+            return OpenBaoCA(self.config.ca, lambda: self.vault.secret(OPENBAO_SECRET))
+        return VaultCA(self.vault)
 
     def _credential(self, label: str) -> asyncssh.SSHKey:
         """A key for an outbound connection -- never one of bastion's own."""

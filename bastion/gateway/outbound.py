@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncssh
 
+from bastion.ca import Issued
 from bastion.core.contract import Code
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
 from bastion.core.events import CAUSE_LOST, Outcome, Result
 from bastion.core.policy import Account, Host
+from bastion.gateway.issuer import NotIssued
 from bastion.gateway.pool import Pool
 from bastion.vault import VaultError, VaultLocked
 
@@ -115,10 +117,9 @@ class Dispatcher:
         self.keepalive_count_max = keepalive_count_max
         self.pool = pool or Pool()
 
-    async def _connect(self, host: Host, account: Account) -> asyncssh.SSHClientConnection:
-        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+    def _vault_key(self, host: Host, account: Account) -> asyncssh.SSHKey:
         try:
-            key = self._private_key(account.credential)
+            return self._private_key(account.credential)
         except VaultLocked as exc:
             raise NotStarted(
                 Code.VAULT_LOCKED,
@@ -132,6 +133,26 @@ class Dispatcher:
                 f"{host.alias}, but the vault cannot provide it ({exc}). Nothing was sent; an "
                 "operator must add the key (`bastion key import`) or fix the policy.",
             ) from exc
+
+    async def _connect(
+        self, host: Host, account: Account, issued: Issued | None = None
+    ) -> asyncssh.SSHClientConnection:
+        """Log in with the account's vault key, or with `issued`: a fresh key and the
+        certificate that lets it run one command."""
+        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+        if issued is None:
+            login: object = self._vault_key(host, account)
+            offered = f'the credential "{account.credential}"'
+            fix = "An operator must install its public key on the target."
+        else:
+            login = (issued.key, issued.certificate)
+            offered = f"the certificate (key id {issued.key_id}, serial {issued.serial})"
+            fix = (
+                "An operator must make the target trust the CA (`bastion ca public` prints "
+                f'the sshd_config), list "{account.user}" as its principal, and check that '
+                "the account's source_address is the address the target sees the gateway "
+                "connect from."
+            )
         client = _Tracked()
         try:
             conn = await asyncio.wait_for(
@@ -141,7 +162,7 @@ class Dispatcher:
                     username=account.user,
                     client_factory=lambda: client,
                     known_hosts=([pinned], [], []),
-                    client_keys=[key],
+                    client_keys=[login],
                     agent_path=None,
                     agent_forwarding=False,
                     x11_forwarding=False,
@@ -171,8 +192,7 @@ class Dispatcher:
         except asyncssh.PermissionDenied as exc:
             raise NotStarted(
                 Code.TARGET_AUTH_FAILED,
-                f'"{host.alias}" refused the credential "{account.credential}" for user '
-                f'"{account.user}". An operator must install its public key on the target.',
+                f'"{host.alias}" refused {offered} for user "{account.user}". {fix}',
             ) from exc
         except (OSError, TimeoutError, asyncssh.Error) as exc:
             reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
@@ -206,10 +226,17 @@ class Dispatcher:
         intent: Callable[[], None],
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None = None,
+        certify: Callable[[], Awaitable[Issued]] | None = None,
     ) -> Result:
         """Connect, exec, relay, classify. `intent` runs once the session
         channel is open and immediately before the exec request is sent, with
-        no await in between: it re-decides and journals, and refuses by raising."""
+        no await in between: it re-decides and journals, and refuses by raising.
+        With `certify` (a certificate account) the login is its certificate, on a
+        connection of its own that closes after this one command."""
+        if certify is not None:
+            return await self._run_certified(
+                host, account, command, agent, intent, on_exec, abandon, certify
+            )
         key: PoolKey = (
             host.address,
             host.port,
@@ -248,6 +275,38 @@ class Dispatcher:
             "It is safe to retry later.",
             cause="session_refused",
         )
+
+    async def _run_certified(
+        self,
+        host: Host,
+        account: Account,
+        command: bytes,
+        agent: Streams,
+        intent: Callable[[], None],
+        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
+        abandon: asyncio.Event | None,
+        certify: Callable[[], Awaitable[Issued]],
+    ) -> Result:
+        """No pool: the certificate pins one command, so its connection carries only
+        that one, and the key and certificate are dropped with it."""
+        try:
+            conn = await self._connect(host, account, await certify())
+        except (NotStarted, NotIssued) as exc:
+            return Result(
+                Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
+            )
+        try:
+            return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
+        except _ChannelRefused as exc:
+            return Result(
+                Outcome.NOT_STARTED,
+                code=Code.UNREACHABLE,
+                message=f'"{host.alias}" refused a new session ({exc}); nothing ran. '
+                "It is safe to retry later.",
+                cause="session_refused",
+            )
+        finally:
+            conn.close()
 
     async def _exec(
         self,

@@ -76,6 +76,12 @@ class Recorder:
         meta = {"request_id": request_id, "session_id": session_id}
         self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
 
+    def certificate(self, request_id: str, meta: dict[str, Any], event: dict[str, Any]) -> None:
+        """A signed certificate, on disk before it is presented to the target: every
+        login capability the gateway minted is on record. Raises if not written."""
+        meta = {"request_id": request_id, **meta}
+        self._append(EventType.CERTIFICATE_ISSUED, meta, event, sync=True)
+
     def _append(
         self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = False
     ) -> None:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -57,6 +57,7 @@ from bastion.core.policy import Account, Host, Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.approvals import ApprovalBook
+from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
 
@@ -91,6 +92,7 @@ class Outbound(Protocol):
         intent: Callable[[], None],
         on_exec: Callable[[Any], None],
         abandon: asyncio.Event | None = None,
+        certify: Callable[[], Awaitable[Any]] | None = None,
     ) -> Result: ...
 
     def retire_all(self) -> None: ...
@@ -171,6 +173,18 @@ CONTROL_MASTER = (
 )
 
 
+def too_many_cards(pending: Iterable[Card], uid: int) -> str | None:
+    """A per-uid cap on waiting cards: an agent cannot bury the operator."""
+    waiting = sum(1 for c in pending if c.subject.uid == uid)
+    if waiting < MAX_PENDING_CARDS_PER_UID:
+        return None
+    return (
+        f"{waiting} approval cards from uid {uid} are already waiting for an operator "
+        f"(the limit is {MAX_PENDING_CARDS_PER_UID}). Nothing was sent; wait for those to be "
+        "answered, then send this request again."
+    )
+
+
 def new_request_id() -> str:
     return "req_" + secrets.token_hex(8)
 
@@ -195,6 +209,7 @@ class Service:
         clock: Callable[[], float] = time.time,
         approval_timeout: float = APPROVAL_TIMEOUT,
         on_sessions_changed: Callable[[], None] = lambda: None,
+        certifier: Certifier | None = None,
     ) -> None:
         self.boot_id = boot_id
         self.vault = vault
@@ -213,6 +228,7 @@ class Service:
         self.clock = clock
         self.approval_timeout = approval_timeout
         self.on_sessions_changed = on_sessions_changed
+        self.certifier = certifier  # signs certificate accounts' logins; None: none can be
         self.actions = ActionKeys()
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
@@ -247,6 +263,7 @@ class Service:
             command_grant=self.book.command_grant(command_card),
             now=self.clock(),
             action_unknown=self.actions.blocking(req.action),
+            certify_problem=self.certifier.problem() if self.certifier else NO_ISSUER,
         )
 
     # -- one request ---------------------------------------------------------------------
@@ -311,7 +328,7 @@ class Service:
                 return Decided(verdict, command_card)
             if isinstance(verdict, Deny):
                 return verdict.failure(req.request_id, reason)
-            if (crowded := self._too_many_cards(conn.peer.subject.uid)) is not None:
+            if (crowded := too_many_cards(self.book.pending(), conn.peer.subject.uid)) is not None:
                 return Failure(Code.UNSUPPORTED_REQUEST, crowded, req.request_id)
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
@@ -340,17 +357,6 @@ class Service:
             if card.kind is CardKind.COMMAND:
                 command_card = card.id
         return rounds_exhausted(req.request_id)
-
-    def _too_many_cards(self, uid: int) -> str | None:
-        """A per-uid cap on waiting cards: an agent cannot bury the operator."""
-        waiting = sum(1 for c in self.book.pending() if c.subject.uid == uid)
-        if waiting < MAX_PENDING_CARDS_PER_UID:
-            return None
-        return (
-            f"{waiting} approval cards from uid {uid} are already waiting for an operator "
-            f"(the limit is {MAX_PENDING_CARDS_PER_UID}). Nothing was sent; wait for those to be "
-            "answered, then send this request again."
-        )
 
     async def _ask(self, conn: AgentConn, card: Card) -> Answer:
         """Raise a card and wait for its answer, its withdrawal, or the timeout."""
@@ -413,6 +419,8 @@ class Service:
         def started(process: Any) -> None:
             flight.process = process
 
+        certify = self.certifier and self.certifier.login(req, chosen.account)
+
         try:
             result = await self.outbound.run(
                 chosen.host,
@@ -423,6 +431,7 @@ class Service:
                 intent,
                 started,
                 flight.abandon,
+                certify=certify,
             )
         finally:
             self.inflight.pop(req.request_id, None)

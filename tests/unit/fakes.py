@@ -202,6 +202,7 @@ class FakeOutbound:
         intent: Callable[[], None],
         on_exec: Callable[[Any], None],
         abandon: asyncio.Event | None = None,
+        certify: Callable[[], Any] | None = None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         call = Call(
