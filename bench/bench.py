@@ -22,9 +22,20 @@ sys.path.insert(0, str(REPO))
 
 from load import bench_sshd  # noqa: E402  (bench/load.py, beside this file)
 
-from tests.harness import Agent, Bastion, Result, make_bastion  # noqa: E402
+from bastion import ca  # noqa: E402
+from bastion.ops import unlocked  # noqa: E402
+from bastion.vault import Vault  # noqa: E402
+from tests.harness import (  # noqa: E402
+    PASSPHRASE,
+    Agent,
+    Bastion,
+    Result,
+    make_bastion,
+    policy_toml,
+)
 
 BLOB_SIZE = 32 << 20
+LOOPBACK = "127.0.0.1"  # where the fixture sshd sees the gateway connect from
 THROUGHPUT_RUNS = 3
 WARMUP = 2
 MAX_TRIES = 5
@@ -75,14 +86,22 @@ def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) ->
         proxy = [sys.executable, "-I", "-S", str(REPO / "bastion" / "proxy.py")]
         proxy += ["--socket", "/nonexistent", "h", "22", "u"]
 
-        bastion = make_bastion(root / "bastion", info, key, start=False)
+        # web1: the vault key, pooled; cert1: the same sshd, a certificate per command.
+        cert1 = policy_toml(info, alias="cert1", auth="certificate", source_address=[LOOPBACK])
+        policy = policy_toml(info) + "\n" + cert1
+        bastion = make_bastion(root / "bastion", info, key, policy, start=False)
+        with unlocked(Vault.open(bastion.home.vault), PASSPHRASE.encode()) as vault:
+            ca.init(vault)
+            sshd.trust_user_cas(ca.public(vault.list_keys())["trusted_user_ca_keys"])
         bastion.start_daemon()
         bastion.unlock()
         agent = bastion.agent()
-        rid = agent.start("true")
-        bastion.approve_next()
-        if (r := agent.wait(rid)).rc != 0:
-            raise RuntimeError(f"approved session failed: {r.stderr.strip()}")
+        certified = ["ssh", "-F", str(bastion.config), "cert1"]
+        for argv in (None, [*certified, "true"]):
+            rid = agent.start("true", argv=argv)
+            bastion.approve_next()
+            if (r := agent.wait(rid)).rc != 0:
+                raise RuntimeError(f"approved session failed: {r.stderr.strip()}")
 
         paths: dict[str, list[str] | None] = {"direct": direct, "bastion": None, "helper": []}
         fails: dict[str, list[str]] = {"direct": [], "bastion": [], "helper": []}
@@ -99,6 +118,16 @@ def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) ->
 
         # The gateway times its own journal appends (fsyncs included) on the real path.
         journal_after = bastion.op("status")["journal"]
+        # A certificate account against direct ssh, interleaved in a loop of its own
+        # (so the journal numbers above stay the pooled path's).
+        for k in ("cert_direct", "certificate"):
+            fails[k], lat[k] = [], []
+        cert_paths = {"cert_direct": direct, "certificate": certified}
+        for i in range(WARMUP + n):
+            sample = {k: timed(agent, "true", argv, fails[k])[0] for k, argv in cert_paths.items()}
+            if i >= WARMUP:
+                for k, v in sample.items():
+                    lat[k].append(v)
         blob = root / "blob"
         data = os.urandom(blob_size)
         blob.write_bytes(data)
@@ -120,6 +149,9 @@ def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) ->
     d, b = out["latency"]["direct"], out["latency"]["bastion"]
     out["ratio_median"] = b["median_ms"] / d["median_ms"]
     out["ratio_p90"] = b["p90_ms"] / d["p90_ms"]
+    cd, cb = out["latency"]["cert_direct"], out["latency"]["certificate"]
+    out["certificate_ratio_median"] = cb["median_ms"] / cd["median_ms"]
+    out["certificate_ratio_p90"] = cb["p90_ms"] / cd["p90_ms"]
     mb = blob_size / 1e6
     cat = {k: statistics.median(v) for k, v in cat_s.items()}
     out["throughput_MBps"] = {k: mb / t for k, t in cat.items()}
@@ -169,12 +201,18 @@ def report(r: dict[str, Any]) -> str:
         "bastion": "ssh -F bastion.config web1",
         "helper": "agent helper floor (true, no ssh)",
         "proxy": "proxy.py startup (fails fast)",
+        "cert_direct": "direct ssh (certificate loop)",
+        "certificate": "ssh -F bastion.config cert1",
     }
     lines = [f"latency, n={r['n']}      {'median':>8} {'p90':>8} {'min':>8}  (ms)"]
     for k, label in labels.items():
         s = r["latency"][k]
         lines.append(f"{label:34} {s['median_ms']:8.1f} {s['p90_ms']:8.1f} {s['min_ms']:8.1f}")
     lines.append(f"bastion/direct: median {r['ratio_median']:.2f}x, p90 {r['ratio_p90']:.2f}x")
+    lines.append(
+        f"certificate account/direct: median {r['certificate_ratio_median']:.2f}x, "
+        f"p90 {r['certificate_ratio_p90']:.2f}x"
+    )
     t, net = r["throughput_MBps"], r["throughput_net_MBps"]
     lines.append(
         f"cat {r['blob_mib']} MiB in+out, MB/s (median of {THROUGHPUT_RUNS}): "
@@ -192,7 +230,8 @@ def report(r: dict[str, Any]) -> str:
     )
     f = r["failed_attempts"]
     lines.append(
-        f"failed attempts (retried, not timed): direct {f['direct']}, bastion {f['bastion']}"
+        f"failed attempts (retried, not timed): direct {f['direct'] + f['cert_direct']}, "
+        f"bastion {f['bastion']}, certificate {f['certificate']}"
     )
     lines += [f"  {m}" for m in r["failure_messages"]]
     rd = r["reader"]
