@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -27,21 +29,27 @@ import psutil
 
 from bastion.devtools.sshd_setup import (
     LOOPBACK,
-    POLL_INTERVAL,
-    PRIVSEP_DIR,
     STOP_TIMEOUT,
     TEMPLATE_ENV,
     SshdError,
-    answers_banner,
+    check_config,
     check_key_line,
     check_path,
+    check_principals,
     current_user,
     end_processes,
+    ensure_privsep_dir,
+    file_lines,
     find_template,
-    run_tool,
+    make_host_key,
+    public_key,
+    render_config,
+    replace_private,
     sshd_available,
     tagged_processes,
+    wait_listening,
     wait_status,
+    write_principals,
     write_private,
 )
 from bastion.devtools.sshd_setup import free_port as _free_port  # tests replace it
@@ -53,6 +61,7 @@ __all__ = [
     "SshdError",
     "SshdInfo",
     "find_template",
+    "login_certificates",
     "sshd_available",
 ]
 
@@ -60,9 +69,22 @@ __all__ = [
 SESSION_TAG_ENV = "BASTION_SSHD_FIXTURE"
 
 _PORT_ATTEMPTS = 5
-# What sshd prints when the port we picked was taken between our probe and its bind().
-_BIND_FAILURE_MARKERS = ("Bind to port", "Cannot bind any address", "Address already in use")
-_LOG_TAIL_LINES = 40
+# sshd (LogLevel VERBOSE) on a certificate login, e.g.
+#   Accepted publickey for root from 127.0.0.1 port 50312 ssh2: ED25519-CERT SHA256:...
+#   ID req_x (serial 42) CA ED25519 SHA256:...
+_CERT_LOGIN = re.compile(
+    r"Accepted publickey for \S+ from \S+ port \d+ ssh2: \S+-CERT \S+ "
+    r"ID (?P<key_id>.*?) \(serial (?P<serial>\d+)\) CA \S+ \S+"
+)
+
+
+def login_certificates(log_text: str) -> list[tuple[str, int]]:
+    """(key id, serial) of each certificate login in an sshd log, oldest first.
+
+    A bastion certificate's key id is the request id, so this is how a test -- or an
+    operator reading a target's auth log -- ties a login to `bastion request ID`.
+    Logins with a plain key are not listed."""
+    return [(m["key_id"], int(m["serial"])) for m in _CERT_LOGIN.finditer(log_text)]
 
 
 @dataclass(frozen=True)
@@ -96,11 +118,21 @@ class Sshd:
         sshd_path: str = "/usr/sbin/sshd",
         template: Path | None = None,
         session_home: bool = True,
+        *,
+        trusted_user_ca_keys: Sequence[str] = (),
+        principals: Mapping[str, Sequence[str]] | None = None,
+        allow_forwarding: bool = False,
     ) -> None:
         """`session_home`: sessions get an empty HOME of their own, so the target's shell
         reads none of the user's rc files -- on a machine whose ~/.bashrc starts pyenv,
         every command would cost ~150 ms of CPU, and a command killed mid-rc by a test
-        leaves pyenv's lock behind, stalling every later shell for a minute."""
+        leaves pyenv's lock behind, stalling every later shell for a minute.
+
+        `trusted_user_ca_keys`: the lines of the TrustedUserCAKeys file (none: no CA is
+        trusted); `trust_user_cas` replaces them while sshd runs. `principals`: login user
+        -> the certificate principals it accepts (AuthorizedPrincipalsFile); by default the
+        current user accepts its own name. `allow_forwarding`: AllowTcpForwarding and
+        AllowStreamLocalForwarding yes, so only a certificate can refuse a forward."""
         self.run_dir = Path(run_dir)
         self.session_home = session_home
         self.sshd_path = sshd_path
@@ -108,10 +140,17 @@ class Sshd:
         self.config_path = self.run_dir / "sshd_config"
         self.host_key_path = self.run_dir / "ssh_host_ed25519_key"
         self.authorized_keys_path = self.run_dir / "authorized_keys"
+        self.trusted_ca_path = self.run_dir / "trusted_user_ca_keys"
+        self.principals_dir = self.run_dir / "principals"
+        self.allow_forwarding = allow_forwarding
         self.pid_file = self.run_dir / "sshd.pid"
         self.log_path = self.run_dir / "sshd.log"
         self.fixture_id = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._pending_keys: list[str] = [check_key_line(k) for k in authorized_keys]
+        self._ca_text = file_lines(trusted_user_ca_keys, "trusted_user_ca_keys")
+        self._principals = check_principals(
+            {current_user(): [current_user()]} if principals is None else principals
+        )
         self._prepared = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._info: SshdInfo | None = None
@@ -139,13 +178,13 @@ class Sshd:
                 port = _free_port(LOOPBACK)
                 self._write_config(template, port)
                 if attempt == 0:
-                    self._validate_config()
+                    check_config(self.sshd_path, self.config_path)
                 outcome, last_log = self._launch_and_wait(port, deadline)
                 if outcome == "up":
                     self._info = SshdInfo(
                         address=LOOPBACK,
                         port=port,
-                        host_key=self._public_host_key(),
+                        host_key=public_key(self.host_key_path.with_suffix(".pub")),
                         user=current_user(),
                         run_dir=self.run_dir,
                         log_path=self.log_path,
@@ -255,6 +294,24 @@ class Sshd:
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
+    def set_authorized_keys(self, lines: Sequence[str]) -> None:
+        """Replace the trusted client keys (none: only certificates log in), atomically;
+        like `authorize`, from the next authentication on."""
+        keys = [check_key_line(k) for k in file_lines(lines, "authorized_keys").splitlines()]
+        if not self._prepared:
+            self._pending_keys = keys
+            return
+        replace_private(self.authorized_keys_path, "".join(k + "\n" for k in keys))
+
+    def trust_user_cas(self, lines: Sequence[str]) -> None:
+        """Replace the TrustedUserCAKeys file: CA public key lines, comments allowed (the
+        whole `bastion ca public` snippet is such a file). sshd opens it at each
+        authentication, so the next login sees the new set with no restart or SIGHUP --
+        how a target adds a new CA and retires the old one during a rotation."""
+        self._ca_text = file_lines(lines, "trusted_user_ca_keys")
+        if self._prepared:
+            replace_private(self.trusted_ca_path, self._ca_text)
+
     def session_pids(self) -> list[int]:
         """Pids of the per-connection sshd processes (direct children of the listener).
 
@@ -287,56 +344,40 @@ class Sshd:
 
     def _prepare(self) -> None:
         """One-time per instance: fresh host key, initial authorized_keys, privsep dir."""
-        if os.geteuid() == 0:
-            # Root sshd chroots its pre-auth child into this dir and refuses to start
-            # ("Missing privilege separation directory") if it is absent.
-            PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-            os.chmod(PRIVSEP_DIR, 0o755)
+        ensure_privsep_dir()
         if self._prepared:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for path in (self.run_dir, self.host_key_path, self.authorized_keys_path):
-            check_path(path)
-        for path in (self.host_key_path, self.host_key_path.with_suffix(".pub")):
-            path.unlink(missing_ok=True)  # ssh-keygen would otherwise prompt to overwrite
-        keygen = ["ssh-keygen", "-t", "ed25519", "-N", "", "-q", "-C", "bastion-test-sshd"]
-        run_tool([*keygen, "-f", str(self.host_key_path)])
+            check_path(path)  # the CA file and principals dir are fixed names in run_dir
+        make_host_key(self.host_key_path)
         write_private(self.authorized_keys_path, "".join(k + "\n" for k in self._pending_keys))
         self._pending_keys.clear()
+        write_private(self.trusted_ca_path, self._ca_text)
+        write_principals(self.principals_dir, self._principals)
         self._prepared = True
 
-    def _public_host_key(self) -> str:
-        fields = self.host_key_path.with_suffix(".pub").read_text(encoding="utf-8").split()
-        return f"{fields[0]} {fields[1]}"
-
     def _write_config(self, template: Template, port: int) -> None:
-        try:
-            text = template.substitute(
-                listen_address=LOOPBACK,
-                port=port,
-                host_key=self.host_key_path,
-                authorized_keys=self.authorized_keys_path,
-                pid_file=self.pid_file,
-                run_dir=self.run_dir,
-                user=current_user(),
-                fixture_id=self.fixture_id,
-            )
-        except (KeyError, ValueError) as e:
-            raise SshdError(f"bad placeholder in sshd config template: {e}") from e
+        text = render_config(
+            template,
+            listen_address=LOOPBACK,
+            port=port,
+            host_key=self.host_key_path,
+            authorized_keys=self.authorized_keys_path,
+            pid_file=self.pid_file,
+            run_dir=self.run_dir,
+            user=current_user(),
+            fixture_id=self.fixture_id,
+            trusted_user_ca_keys=self.trusted_ca_path,
+            principals_dir=self.principals_dir,
+            allow_tcp_forwarding="yes" if self.allow_forwarding else "no",
+        )
         tag = f"SetEnv {SESSION_TAG_ENV}={self.fixture_id}"
         if self.session_home and tag in text:
             home = self.run_dir / "session-home"
             home.mkdir(mode=0o700, exist_ok=True)
             text = text.replace(tag, f'{tag} "HOME={home}"')  # quoted: a path may hold spaces
         self.config_path.write_text(text, encoding="utf-8")
-
-    def _validate_config(self) -> None:
-        result = run_tool([self.sshd_path, "-t", "-f", str(self.config_path)], check=False)
-        if result.returncode != 0:
-            raise SshdError(
-                f"sshd -t rejected {self.config_path} (exit {result.returncode}):\n"
-                f"{result.stdout}{result.stderr}"
-            )
 
     def _launch_and_wait(self, port: int, deadline: float) -> tuple[str, str]:
         """Run sshd and poll until it is up, dead, or out of time.
@@ -348,37 +389,12 @@ class Sshd:
             argv = [self.sshd_path, "-D", "-e", "-f", str(self.config_path)]
             log.write(f"--- bastion fixture: {' '.join(argv)} (port {port})\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
             )
-        proc = self._proc
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                tail = self._log_tail(offset)
-                if any(marker in tail for marker in _BIND_FAILURE_MARKERS):
-                    return "bind", tail
-                raise SshdError(f"sshd exited with {proc.returncode} on startup; log tail:\n{tail}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return "timeout", self._log_tail(offset)
-            # The banner alone could come from someone else's server that won the race for
-            # this port; sshd logs "Server listening" only once its own bind() succeeded.
-            if (
-                answers_banner(LOOPBACK, port, timeout=min(0.5, remaining))
-                and f"Server listening on {LOOPBACK} port {port}." in self._log_since(offset)
-                and proc.poll() is None
-            ):
-                return "up", ""
-            time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
-
-    def _log_since(self, offset: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def _log_tail(self, offset: int) -> str:
-        return "\n".join(self._log_since(offset).splitlines()[-_LOG_TAIL_LINES:])
+        outcome, tail = wait_listening(proc, self.log_path, offset, port, deadline)
+        if outcome in ("bind", "exited"):
+            self._proc = None
+        if outcome == "exited":
+            raise SshdError(f"sshd exited with {proc.returncode} on startup; log tail:\n{tail}")
+        return outcome, tail

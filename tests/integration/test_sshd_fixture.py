@@ -25,6 +25,7 @@ from bastion.devtools.sshd_fixture import (
     SshdError,
     SshdInfo,
     find_template,
+    login_certificates,
     sshd_available,
 )
 
@@ -322,6 +323,135 @@ def test_find_template_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv(TEMPLATE_ENV, str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError):
         find_template()
+
+
+# -- user certificates --------------------------------------------------------------
+
+
+def _sign(tmp_path: Path, ca: Path, key_id: str, principal: str, serial: int) -> Path:
+    """A fresh client key (not in authorized_keys) and its certificate, by ssh-keygen:
+    `-i KEY` makes ssh present KEY-cert.pub, then the plain key (which is refused)."""
+    key = tmp_path / f"user-{serial}"
+    _keygen(key)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-s", str(ca), "-I", key_id, "-n", principal,
+         "-z", str(serial), "-V", "-1m:+10m", str(key.with_suffix(".pub"))],
+        stdin=subprocess.DEVNULL, capture_output=True, check=True, timeout=SSH_TIMEOUT,
+    )  # fmt: skip
+    assert Path(f"{key}-cert.pub").is_file()
+    return key
+
+
+def test_by_default_no_ca_is_trusted_and_the_user_accepts_its_own_name(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    user = sshd.info.user
+    assert sshd.trusted_ca_path.read_text() == ""
+    assert sshd.trusted_ca_path.stat().st_mode & 0o777 == 0o600
+    assert (sshd.principals_dir / user).read_text() == f"{user}\n"
+    ca = tmp_path / "ca"
+    _keygen(ca)
+    key = _sign(tmp_path, ca, "req_untrusted", user, 1)
+
+    refused = _ssh(sshd.info, key, _known_hosts(tmp_path, sshd.info), "echo hello")
+
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr
+    assert "ID req_untrusted (serial 1)" in sshd.log_text()  # presented, and failed
+    assert login_certificates(sshd.log_text()) == []
+
+
+def test_trust_user_cas_takes_effect_at_the_next_login_without_a_restart(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    ca = tmp_path / "ca"
+    ca_line = _keygen(ca)
+    key = _sign(tmp_path, ca, "req_trusted", sshd.info.user, 7)
+    known, pid = _known_hosts(tmp_path, sshd.info), sshd.pid
+
+    sshd.trust_user_cas(["# a comment line, as in `bastion ca public`", ca_line])
+    accepted = _ssh(sshd.info, key, known, "echo hello")
+    assert (accepted.returncode, accepted.stdout) == (0, "hello\n"), accepted.stderr
+    assert login_certificates(sshd.log_text()) == [("req_trusted", 7)]
+
+    sshd.trust_user_cas([])
+    refused = _ssh(sshd.info, key, known, "echo hello")
+    assert refused.returncode == 255
+    assert sshd.pid == pid  # no restart, no SIGHUP: sshd reads the file at each login
+    assert login_certificates(sshd.log_text()) == [("req_trusted", 7)]
+
+
+def test_principals_say_which_certificates_a_user_accepts(
+    tmp_path: Path, client_key: tuple[Path, str]
+) -> None:
+    ca = tmp_path / "ca"
+    ca_line = _keygen(ca)
+    key = _sign(tmp_path, ca, "req_deploy", "deploy", 3)  # principal "deploy", not the user
+    with Sshd(tmp_path / "default", trusted_user_ca_keys=[ca_line]) as server:
+        user = server.info.user
+        refused = _ssh(server.info, key, _known_hosts(tmp_path, server.info), "echo hi")
+        assert refused.returncode == 255
+        assert "Certificate does not contain an authorized principal" in server.log_text()
+    principals = {user: ["deploy"]}
+    with Sshd(tmp_path / "mapped", trusted_user_ca_keys=[ca_line], principals=principals) as server:
+        accepted = _ssh(server.info, key, _known_hosts(tmp_path, server.info), "echo hi")
+        assert (accepted.returncode, accepted.stdout) == (0, "hi\n"), accepted.stderr
+
+
+def test_forwarding_is_off_unless_asked_for(tmp_path: Path, client_key: tuple[Path, str]) -> None:
+    forward = ["-R", "0:127.0.0.1:9", "-o", "ExitOnForwardFailure=yes"]
+    for allow, expect in ((False, 255), (True, 0)):
+        run_dir = tmp_path / f"allow-{allow}"
+        with Sshd(run_dir, authorized_keys=[client_key[1]], allow_forwarding=allow) as server:
+            word = "yes" if allow else "no"
+            config = server.config_path.read_text()
+            assert f"\nAllowTcpForwarding {word}\n" in config
+            assert f"\nAllowStreamLocalForwarding {word}\n" in config
+            argv = _ssh_argv(server.info, client_key[0], _known_hosts(run_dir, server.info), "true")
+            result = subprocess.run(
+                [*argv[:-2], *forward, *argv[-2:]],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SSH_TIMEOUT,
+            )  # fmt: skip
+            assert result.returncode == expect, result.stderr
+            assert ("Allocated port" in result.stderr) is allow
+
+
+def test_set_authorized_keys_replaces_the_trusted_keys(
+    sshd: Sshd, client_key: tuple[Path, str], tmp_path: Path
+) -> None:
+    known = _known_hosts(tmp_path, sshd.info)
+    sshd.set_authorized_keys([])
+    assert sshd.authorized_keys_path.read_text() == ""
+    assert sshd.authorized_keys_path.stat().st_mode & 0o777 == 0o600
+    assert _ssh(sshd.info, client_key[0], known, "true").returncode == 255
+
+    sshd.set_authorized_keys([client_key[1]])
+    result = _ssh(sshd.info, client_key[0], known, "echo back")
+    assert (result.returncode, result.stdout) == (0, "back\n"), result.stderr
+
+
+def test_file_lines_are_checked(sshd: Sshd) -> None:
+    with pytest.raises(TypeError, match="sequence of lines"):
+        sshd.trust_user_cas("ssh-ed25519 AAAA")
+    with pytest.raises(ValueError, match="more than one line"):
+        sshd.trust_user_cas(["ssh-ed25519 AAAA\nssh-ed25519 BBBB"])
+    with pytest.raises(ValueError, match="principals file"):
+        Sshd(sshd.run_dir / "x", principals={"../etc": ["root"]})
+
+
+def test_login_certificates_reads_accepted_certificate_logins_only() -> None:
+    log = "\n".join(
+        [
+            'Accepted certificate ID "req_a" (serial 42) signed by ED25519 CA SHA256:x via /f',
+            "Accepted publickey for root from 127.0.0.1 port 50312 ssh2: ED25519-CERT "
+            "SHA256:abc ID req_a (serial 42) CA ED25519 SHA256:def",
+            "Accepted publickey for root from 127.0.0.1 port 50313 ssh2: ED25519 SHA256:abc",
+            "Failed publickey for root from 127.0.0.2 port 50314 ssh2: ED25519-CERT "
+            "SHA256:abc ID req_b (serial 43) CA ED25519 SHA256:def",
+            "Accepted publickey for deploy from ::1 port 7 ssh2: ECDSA-CERT "
+            "SHA256:abc ID req c (serial 18446744073709551615) CA RSA SHA256:def",
+        ]
+    )
+    assert login_certificates(log) == [("req_a", 42), ("req c", 2**64 - 1)]
 
 
 def psutil_pid_alive(pid: int) -> bool:
