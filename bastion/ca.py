@@ -163,7 +163,7 @@ def sshd_snippet(lines: list[str]) -> str:
             *overlap,
             *lines,
             "#",
-            "# Then in /etc/ssh/sshd_config (reload sshd once; it re-reads this file at each login):",
+            "# Then in /etc/ssh/sshd_config (reload sshd once; it re-reads the CA file per login):",
             f"#   TrustedUserCAKeys {CA_FILE}",
             f"#   AuthorizedPrincipalsFile {PRINCIPALS_DIR}/%u",
             "# and for each account bastion logs in as with certificates, a file",
