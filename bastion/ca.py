@@ -24,6 +24,7 @@ CA_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256", "rsa": "ss
 _CA_LABEL_RE = re.compile(re.escape(CA_LABEL_PREFIX) + r"([1-9][0-9]{0,8})")
 CA_FILE = "/etc/ssh/bastion_user_ca.pub"
 PRINCIPALS_DIR = "/etc/ssh/bastion_principals"
+OPENBAO_SECRET = "bastion-openbao"  # the vault secret holding OpenBao's token or AppRole
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def public(keys: list[KeyInfo]) -> dict[str, Any]:
     cas = authorities(keys)
     if not cas:
         raise VaultError("the vault holds no user CA; `bastion ca init` creates one")
-    lines = [f"{k.public_key} {k.label}" for k in cas]
+    lines = [" ".join([*k.public_key.split()[:2], k.label]) for k in cas]  # label as comment
     return {
         "authorities": [
             {"label": k.label, "fingerprint": k.fingerprint, "public_key": k.public_key}

@@ -31,6 +31,7 @@ from typing import Any
 
 from bastion import isolation, opsock
 from bastion.config import Config, ConfigError, load_config
+from bastion.core.certs import CA_LABEL_PREFIX, Auth
 from bastion.core.policy import Host, Policy, PolicyError
 from bastion.home import Home
 from bastion.policy_files import load_policy_dir
@@ -271,11 +272,11 @@ def check_config(ctx: Context) -> list[Check]:
 
 def judge_policy(
     directory: Path, policy: Policy | None, error: str | None, labels: Iterable[str] | None,
-    gateway_error: str | None = None,
+    gateway_error: str | None = None, no_ca: bool = False,
 ) -> Check:  # fmt: skip
     """The loader's verdict (the same function the gateway runs: modes, owners, syntax,
-    rules), the running gateway's, and whether every credential it names is in the vault
-    (`labels`; None when the vault file cannot be read)."""
+    rules), the running gateway's, whether every credential it names is in the vault
+    (`labels`; None when the vault file cannot be read), and a CA for certificate accounts."""
     name = "policy"
     if policy is None:
         detail, _, fix = (error or "not loaded").partition("; fix with: ")
@@ -287,12 +288,16 @@ def judge_policy(
     if not policy.hosts:
         fix = f"add a *.toml file to {directory} (see policies/example.toml)"
         return Check(name, Status.WARN, f"no hosts in {directory}: agents can reach nothing", fix)
-    have = set(labels or ())
-    for host, a in ((h, a) for h in policy.hosts.values() for a in h.accounts):
-        if labels is not None and a.credential not in have:
+    have, accounts = set(labels or ()), [(h, a) for h in policy.hosts.values() for a in h.accounts]
+    for host, a in accounts:
+        if labels is not None and a.credential and a.credential not in have:
             detail = f"{a.label} uses credential {a.credential!r}, not in the vault"
             fix = f"bastion key generate {a.credential} (or import it); or edit {host.source}"
             return Check(name, Status.FAIL, detail, fix)
+    certs = ", ".join(a.label for _, a in accounts if a.auth is Auth.CERTIFICATE)
+    if certs and no_ca:
+        fix = "`bastion ca init`, then install `bastion ca public` on each target"
+        return Check(name, Status.FAIL, f'{certs}: auth = "certificate", no CA in the vault', fix)
     hosts = ", ".join(sorted(policy.hosts))
     found = "" if labels is None else "; every credential is in the vault"
     return Check(name, Status.OK, f"{len(policy.hosts)} host(s) from {directory}: {hosts}{found}")
@@ -309,7 +314,9 @@ def check_policy(ctx: Context) -> list[Check]:
             labels = None
     gw_policy = (ctx.gateway or {}).get("policy") or {}
     gw_error = gw_policy.get("error") if gw_policy.get("ok") is False else None
-    return [judge_policy(ctx.policy_dir, ctx.policy, ctx.policy_error, labels, gw_error)]
+    signs = ctx.config is not None and ctx.config.ca.backend == "vault"  # not OpenBao's CA
+    no_ca = signs and labels is not None and not any(k.startswith(CA_LABEL_PREFIX) for k in labels)
+    return [judge_policy(ctx.policy_dir, ctx.policy, ctx.policy_error, labels, gw_error, no_ca)]
 
 
 def judge_keyring(backend: object | None, error: str | None = None) -> Check:

@@ -6,7 +6,7 @@ scripts: the script `completion SHELL` prints calls `bastion` back with
 callback of the argument being typed. The callbacks here ask the running
 gateway over the operator socket, with a short timeout, for what is live now:
 card ids, session ids, requests in flight. What needs no gateway and no
-passphrase (key labels on the vault file, host aliases in the policy files,
+passphrase (key and CA labels on the vault file, host aliases in the policy files,
 recent request ids at the end of the journal) is read from the files when no
 gateway runs.
 
@@ -156,6 +156,15 @@ def own_key_labels(home: Home) -> Iterator[Choice]:
     return (c for c in key_labels(home) if not c.value.startswith(RESERVED_PREFIX))
 
 
+def retirable_cas(home: Home) -> Iterator[Choice]:
+    """The user CAs `ca retire` accepts: every one but the newest, which signs."""
+    from bastion import ca
+    from bastion.vault import KeyInfo
+
+    cas = ca.authorities([KeyInfo(**k) for k in key_rows(home)])
+    return (Choice(k.label, k.fingerprint) for k in cas[:-1])
+
+
 def _policy_dir(ctx: click.Context) -> tuple[Path, list[str] | None]:
     """The policy directory: the command's own `--policies` if typed, else the
     one the running gateway reads (with the hosts it sees), else HOME/policies."""
@@ -257,6 +266,7 @@ complete_card = quietly(at_home(cards))
 complete_session = quietly(at_home(sessions))
 complete_key_label = quietly(at_home(key_labels))
 complete_own_key_label = quietly(at_home(own_key_labels))
+complete_retirable_ca = quietly(at_home(retirable_cas))
 complete_request = quietly(at_home(requests))
 complete_request_in_flight = quietly(at_home(requests_in_flight))
 complete_host = quietly(host_aliases)

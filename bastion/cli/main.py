@@ -21,6 +21,7 @@ from bastion import opsock
 from bastion.cli import completion as comp
 from bastion.cli.agents import hostkey, proxy, run, ssh_config
 from bastion.cli.audit import audit
+from bastion.cli.ca import ca
 from bastion.cli.check import check_command
 from bastion.cli.common import (
     HOST_KEY_ALIAS,
@@ -62,7 +63,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-COMMANDS = (key, audit, hostkey, ssh_config, proxy, run, check_command, isolate)
+COMMANDS = (key, ca, audit, hostkey, ssh_config, proxy, run, check_command, isolate)
 for command in (*COMMANDS, mcp, doctor, service, comp.completion):
     main.add_command(command)
 
@@ -473,6 +474,7 @@ def request(ctx: click.Context, request_id: str, as_json: bool) -> None:
             f"{s['request_id']}: {s['state']}"
             + (f" (exit {s['exit_status']})" if s.get("exit_status") is not None else "")
             + (f" ({s['code']})" if s.get("code") else "")
+            + (f", certificate serial {s['certificate']['serial']}" if s.get("certificate") else "")
         ),
     )
 

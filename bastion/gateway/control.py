@@ -279,7 +279,7 @@ class Control:
 
     def _key_handler(self, name: str) -> Handler:
         async def handler(args: dict[str, Any]) -> Any:
-            if name != "key_list":
+            if name.startswith("key_") and name != "key_list":  # ca_* check their own
                 text_arg(args, "label")
             for optional in ("algorithm", "private_key"):
                 if args.get(optional) is not None:

@@ -21,7 +21,6 @@ from bastion.core.certs import CertSpec
 from bastion.core.contract import Code
 from bastion.vault import Vault, VaultError, VaultLocked
 
-OPENBAO_SECRET = "bastion-openbao"  # the vault secret holding OpenBao's token or AppRole
 SERIAL_BLOCK = 256  # serials reserved per vault write; a restart skips the unused rest
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import asyncssh
 
 from bastion import opsock, sdnotify
+from bastion.ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.defaults import (
     APPROVAL_TIMEOUT,
@@ -49,7 +50,7 @@ from bastion.gateway.authority import Authority
 from bastion.gateway.certify import Certifier
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
-from bastion.gateway.issuer import OPENBAO_SECRET, Issuer, VaultCA
+from bastion.gateway.issuer import Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, Recorder
 from bastion.gateway.service import PolicyWatch, Service

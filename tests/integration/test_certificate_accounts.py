@@ -35,7 +35,9 @@ def ca_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
         yield server
 
 
-def _bastion(tmp_path: Path, server: Sshd, client_key: Path, with_ca: bool, **account: Any) -> Bastion:
+def _bastion(
+    tmp_path: Path, server: Sshd, client_key: Path, with_ca: bool, **account: Any
+) -> Bastion:
     info = server.info
     assert info is not None
     b = make_bastion(tmp_path, info, client_key, policy_toml(info, **account), start=False)
@@ -49,9 +51,7 @@ def _bastion(tmp_path: Path, server: Sshd, client_key: Path, with_ca: bool, **ac
 
 
 @pytest.fixture
-def cert_bastion(
-    tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]
-) -> Iterator[Bastion]:
+def cert_bastion(tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]) -> Iterator[Bastion]:
     b = _bastion(tmp_path, ca_sshd, client_key[0], True, **CERT)
     try:
         yield b

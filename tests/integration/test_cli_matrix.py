@@ -469,6 +469,93 @@ def check_key_remove(w: World, r: Out) -> None:
         w.seen.setdefault("removed_offline", []).append(label)
 
 
+def ca_labels(w: World) -> list[str]:
+    """The user CAs on the vault file, oldest first (the last one signs)."""
+    from bastion import ca
+
+    return [k.label for k in ca.authorities(Vault.open(w.b.home.vault).list_keys())]
+
+
+def check_ca_init(w: World, r: Out) -> None:
+    """Offline: the first CA, made with the passphrase. Online there is one already
+    (the offline rows made it): the gateway -- nothing else could answer without a
+    passphrase or a terminal -- refuses a second and points at `ca rotate`."""
+    if w.mode == ONLINE:
+        refused(r, "already holds a user CA", "`bastion ca rotate`")
+        return
+    line, hint = ok(r).stdout.splitlines()
+    assert re.fullmatch(r"ssh-ed25519 [A-Za-z0-9+/=]+ \S+", line), line
+    assert hint.startswith("# created bastion-ca-1 (SHA256:"), hint
+    assert ca_labels(w) == ["bastion-ca-1"]
+
+
+def check_ca_public(w: World, r: Out) -> None:
+    doc = json_out(r)
+    labels = ca_labels(w)
+    assert [c["label"] for c in doc["authorities"]] == labels and doc["signing"] == labels[-1]
+    if w.mode == ONLINE and w.seen.get("ca retired offline"):  # seen by the gateway
+        assert "bastion-ca-1" not in [c["label"] for c in doc["authorities"]]
+    text = ok(w.cli("ca", "public")).stdout
+    assert text == doc["sshd_config"] + "\n"
+    assert [line for line in text.splitlines() if not line.startswith("#")] == [
+        f"{c['public_key']} {c['label']}" for c in doc["authorities"]
+    ]
+    assert "TrustedUserCAKeys" in text and "AuthorizedPrincipalsFile" in text
+
+
+def ca_snapshot(w: World) -> None:
+    w.seen["cas_before"] = ca_labels(w)
+
+
+def check_ca_rotate(w: World, r: Out) -> None:
+    line, hint = ok(r).stdout.splitlines()
+    before, after = w.seen["cas_before"], ca_labels(w)
+    new = f"bastion-ca-{int(before[-1].rsplit('-', 1)[1]) + 1}"
+    assert after == [*before, new], (before, after)  # the older CAs stay, listed first
+    assert hint.startswith(f"# {new} (SHA256:") and "signs from now on" in hint, hint
+    doc = json_out(w.cli("ca", "public", "--json"))
+    assert doc["signing"] == new and doc["authorities"][-1]["public_key"] == line
+
+
+def ca_retire_setup(w: World) -> None:
+    """Name the oldest CA (a label offline, its fingerprint online) to retire."""
+    (oldest, *_) = json_out(w.cli("ca", "public", "--json"))["authorities"]
+    w.vars["ca_old"] = oldest["label" if w.mode == OFFLINE else "fingerprint"]
+    w.seen["cas_before"] = ca_labels(w)
+
+
+def check_ca_retire(w: World, r: Out) -> None:
+    oldest, *rest = w.seen["cas_before"]
+    assert ok(r).stdout.startswith(f"retired {oldest} ("), r.stdout
+    assert ca_labels(w) == rest
+    passphrase = ("--passphrase-stdin",) if w.mode == OFFLINE else ()
+    signing = w.cli("ca", "retire", rest[-1], *passphrase, stdin=PASS if passphrase else None)
+    refused(signing, f"{rest[-1]} is the CA that signs now")
+    assert ca_labels(w) == rest
+    if w.mode == OFFLINE:
+        w.seen["ca retired offline"] = True
+
+
+OPENBAO_TOKEN = {OFFLINE: "hvs.matrix-offline-8c1d", ONLINE: "hvs.matrix-online-3e7f"}
+
+
+def check_ca_openbao_login(w: World, r: Out) -> None:
+    """The token went in on stdin; it is sealed in the vault (read back offline with the
+    passphrase) and shown nowhere: not in the output, not in plaintext in any file."""
+    token = OPENBAO_TOKEN[w.mode]
+    assert ok(r).stdout == "sealed the OpenBao token in the vault (secret bastion-openbao)\n"
+    assert token not in r.stdout + r.stderr and token not in " ".join(map(str, r.args))
+    vault = Vault.open(w.b.home.vault)
+    assert "bastion-openbao" in vault.secret_labels()
+    if w.mode == OFFLINE:  # no gateway holds the vault: read it back here
+        vault.unlock(PASSPHRASE.encode())
+        try:
+            assert json.loads(vault.secret("bastion-openbao")) == {"token": token}
+        finally:
+            vault.lock()
+    assert not [p for p in w.b.root.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+
+
 def check_request(w: World, r: Out) -> None:
     state = json_out(r)
     assert state["request_id"] == w.vars["req"]
@@ -879,6 +966,37 @@ ROWS: list[Row] = [
             check_key_remove,
             PASS,
             setup=key_remove_setup,
+        ),
+    ),
+    Row(
+        ("ca", "init"),
+        online=Case((), check_ca_init),
+        offline=Case(("--passphrase-stdin",), check_ca_init, PASS),
+    ),
+    Row(
+        ("ca", "public"),
+        online=Case(("--json",), check_ca_public),
+        offline=Case(("--json",), check_ca_public),
+    ),
+    Row(
+        ("ca", "rotate"),
+        online=Case((), check_ca_rotate, setup=ca_snapshot),
+        offline=Case(("--passphrase-stdin",), check_ca_rotate, PASS, setup=ca_snapshot),
+    ),
+    Row(
+        ("ca", "retire"),
+        online=Case(("{ca_old}",), check_ca_retire, setup=ca_retire_setup),
+        offline=Case(
+            ("{ca_old}", "--passphrase-stdin"), check_ca_retire, PASS, setup=ca_retire_setup
+        ),
+    ),
+    Row(
+        ("ca", "openbao-login"),
+        online=Case((), check_ca_openbao_login, OPENBAO_TOKEN[ONLINE] + "\n"),
+        offline=Case(
+            ("--passphrase-stdin",),
+            check_ca_openbao_login,
+            PASS + OPENBAO_TOKEN[OFFLINE] + "\n",
         ),
     ),
     Row(

@@ -191,7 +191,9 @@ def test_ca_lifecycle_init_rotate_retire(vault: Vault) -> None:
     shown = ca.public(vault.list_keys())
     assert [a["label"] for a in shown["authorities"]] == ["bastion-ca-1", "bastion-ca-2"]
     assert shown["signing"] == second.label
-    assert first.public_key in shown["sshd_config"] and "rotation" in shown["sshd_config"]
+    assert (
+        first.public_key.split()[1] in shown["sshd_config"] and "rotation" in shown["sshd_config"]
+    )
     with pytest.raises(VaultError, match="signs now"):
         ca.retire(vault, second.fingerprint)
     assert ca.retire(vault, first.fingerprint).label == "bastion-ca-1"

@@ -184,6 +184,27 @@ def test_the_policy_verdict() -> None:
     assert empty.status is Status.WARN and "agents can reach nothing" in empty.detail
 
 
+def test_certificate_accounts_need_a_ca_in_the_vault() -> None:
+    """A policy whose accounts log in with certificates, and no CA to sign them: every
+    request to them would be refused, so the policy check fails naming each account."""
+    certs = POLICY + "".join(
+        f'\n[[hosts.web1.accounts]]\nuser = "{user}"\nauth = "certificate"\n'
+        'source_address = ["10.0.0.1"]\n'
+        for user in ("ops", "backup")
+    )
+    policy = build_policy([("a.toml", "/p/a.toml", certs)])
+    d = Path("/p")
+    missing = doctor.judge_policy(d, policy, None, ["deploy-key"], None, no_ca=True)
+    assert missing.status is Status.FAIL, missing
+    assert missing.detail == 'ops@web1, backup@web1: auth = "certificate", no CA in the vault'
+    assert (missing.fix or "").startswith("`bastion ca init`")
+    # With a CA (or OpenBao signing), certificate accounts need no credential in the vault.
+    signed = doctor.judge_policy(d, policy, None, ["deploy-key", "bastion-ca-1"], None)
+    assert signed.status is Status.OK and "every credential is in the vault" in signed.detail
+    plain = build_policy([("a.toml", "/p/a.toml", POLICY)])  # key accounts need no CA
+    assert doctor.judge_policy(d, plain, None, ["deploy-key"], None, no_ca=True).status is Status.OK
+
+
 # -- the keyring ------------------------------------------------------------------------------
 
 
