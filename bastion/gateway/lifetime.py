@@ -23,6 +23,7 @@ import resource
 import secrets
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import asyncssh
 from bastion import opsock, sdnotify
 from bastion.ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
+from bastion.core.certs import Auth
 from bastion.core.defaults import (
     APPROVAL_TIMEOUT,
     COMMAND_TTL,
@@ -128,6 +130,8 @@ class Gateway:
             )
             self.recorder.sinks.append(self.witness.sink)
         self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
+        self.issuer = self._issuer()
+        self._checks: set[asyncio.Task[None]] = set()
         self.dispatcher = Dispatcher(
             self._credential, settings.keepalive_interval, settings.keepalive_count_max
         )
@@ -146,10 +150,10 @@ class Gateway:
             admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
-            certifier=Certifier(self._issuer(), self.recorder),
+            certifier=Certifier(self.issuer, self.recorder),
         )
         self.foreign = ForeignRecords(self.recorder)
-        self.authority = Authority(self.service, self.vault, self.certify, self.foreign.report)
+        self.authority = Authority(self.service, self.vault, self.certify, self._unlocked)
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[ProcessKey, int] = {}
@@ -167,6 +171,27 @@ class Gateway:
 
             return OpenBaoCA(self.config.ca, lambda: self.vault.secret(OPENBAO_SECRET))
         return VaultCA(self.vault)
+
+    def _unlocked(self) -> None:
+        self.foreign.report()
+        check = getattr(self.issuer, "check", None)  # OpenBao: is its role fit to sign?
+        if check is not None:
+            task = asyncio.get_running_loop().create_task(self._check_ca(check))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    async def _check_ca(self, check: Callable[[list[str]], Awaitable[list[str]]]) -> None:
+        """At each unlock (the login is in the vault), say what the CA's role lacks for
+        the certificate accounts the policy has -- to the log and the approve prompts."""
+        policy = self.service.policy.current()
+        if isinstance(policy, PolicyError):
+            return
+        users = {
+            a.user for h in policy.hosts.values() for a in h.accounts if a.auth is Auth.CERTIFICATE
+        }
+        for problem in await check(sorted(users)) if users else []:
+            log.warning("certificate CA: %s", problem)
+            self.recorder.notice(f"certificate CA: {problem}")
 
     def _credential(self, label: str) -> asyncssh.SSHKey:
         """A key for an outbound connection -- never one of bastion's own."""
