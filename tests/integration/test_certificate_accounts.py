@@ -10,13 +10,14 @@ in test_certificate_enforcement.py.)
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bastion import ca
+from bastion import ca, journal
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates, sshd_available
 from bastion.ops import unlocked
 from bastion.vault import Vault
@@ -164,3 +165,27 @@ def test_a_key_account_on_the_same_gateway_is_unchanged(
         assert row["certificate"] is None
     finally:
         b.close()
+
+
+def test_a_certificate_that_cannot_be_journaled_never_leaves_the_gateway(
+    cert_bastion: Bastion, ca_sshd: Sshd, tmp_path: Path
+) -> None:
+    b = cert_bastion
+    agent = b.agent()
+    rid = agent.start("true")
+    b.approve_next()
+    assert agent.wait(rid).rc == 0
+    segment = journal.segments(b.home.journal)[-1]
+    if subprocess.run(["chattr", "+i", str(segment)], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem cannot make the journal unwritable (chattr +i)")
+    marker = tmp_path / "sent-without-a-record"
+    logins = len(login_certificates(ca_sshd.log_text()))
+    try:
+        r = agent.run(f"touch {marker}")
+    finally:
+        subprocess.run(["chattr", "-i", str(segment)], check=True)
+    assert r.rc == 70 and r.code == "INTERNAL", r.stderr
+    assert "could not record the command's certificate" in r.error["message"]  # type: ignore[index]
+    assert not marker.exists()
+    assert len(login_certificates(ca_sshd.log_text())) == logins  # no login was made
+    assert "could not journal its certificate" in b.log.read_text()
