@@ -24,7 +24,7 @@ import click
 
 from bastion.cli.common import LineStdin, emit, fail
 from bastion.cli.completion import complete_retirable_ca
-from bastion.cli.keys import _key_call
+from bastion.cli.keys import vault_call
 
 CA_CHOICES = ("ed25519", "ecdsa", "rsa")
 PASSPHRASE_HELP = "Vault passphrase on stdin's first line (no gateway running)."
@@ -64,7 +64,7 @@ def ca_init(ctx: click.Context, algorithm: str, passphrase_stdin: bool) -> None:
     Once: `ca rotate` adds the next one. Its private key stays in the vault like any
     other; its label (bastion-ca-1) is bastion's own, so `key remove` cannot destroy
     it by mistake. Prints the public line, itself a valid TrustedUserCAKeys file."""
-    k = _key_call(ctx, "ca_init", passphrase_stdin, algorithm=algorithm)
+    k = vault_call(ctx, "ca_init", passphrase_stdin, algorithm=algorithm)
     click.echo(k["public_key"])
     click.echo(
         f"# created {k['label']} ({k['fingerprint']}); `bastion ca public` prints the file "
@@ -83,7 +83,7 @@ def ca_public(ctx: click.Context, as_json: bool) -> None:
     lines that make sshd enforce the certificates. Save it on each target; after a
     rotation it lists the old CA and the new one, so targets keep working while they
     are updated. Needs no passphrase."""
-    emit(_key_call(ctx, "ca_public", False), as_json, lambda doc: doc["sshd_config"])
+    emit(vault_call(ctx, "ca_public", False), as_json, lambda doc: doc["sshd_config"])
 
 
 @ca.command("rotate")
@@ -96,7 +96,7 @@ def ca_rotate(ctx: click.Context, algorithm: str, passphrase_stdin: bool) -> Non
     The older CAs stay in the vault and in `ca public` until retired: install
     the new output of `ca public` on every target first, then `ca retire` the
     old CA, so no target ever refuses a certificate during the change."""
-    k = _key_call(ctx, "ca_rotate", passphrase_stdin, algorithm=algorithm)
+    k = vault_call(ctx, "ca_rotate", passphrase_stdin, algorithm=algorithm)
     click.echo(k["public_key"])
     click.echo(
         f"# {k['label']} ({k['fingerprint']}) signs from now on. `bastion ca public` lists "
@@ -116,7 +116,7 @@ def ca_retire(ctx: click.Context, which: str, passphrase_stdin: bool) -> None:
     now cannot be retired: that would leave nothing to sign with (`ca rotate`
     first). Certificates it made stay valid on targets that still trust it: remove
     its line from each target's file too."""
-    k = _key_call(ctx, "ca_retire", passphrase_stdin, which=which)
+    k = vault_call(ctx, "ca_retire", passphrase_stdin, which=which)
     click.echo(
         f"retired {k['label']} ({k['fingerprint']}); remove its line from each target's "
         "CA file (`bastion ca public` prints the file as it is now)"
@@ -166,8 +166,8 @@ def ca_openbao_login(ctx: click.Context, role_id: str | None, passphrase_stdin: 
     else:
         secret_id = _read_secret(f"Secret id of AppRole {role_id}: ", "AppRole secret id")
         args = {"role_id": role_id, "secret_id": secret_id}
-    if vault_pass is not None:  # put the vault passphrase back for _key_call to read
+    if vault_pass is not None:  # put the vault passphrase back for vault_call to read
         sys.stdin = LineStdin(vault_pass)  # type: ignore[assignment]
-    done = _key_call(ctx, "ca_openbao_login", passphrase_stdin, **args)
+    done = vault_call(ctx, "ca_openbao_login", passphrase_stdin, **args)
     what = "token" if done["login"] == "token" else f"AppRole {role_id} and its secret id"
     click.echo(f"sealed the OpenBao {what} in the vault (secret {done['sealed']})")

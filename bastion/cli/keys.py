@@ -24,7 +24,7 @@ def key() -> None:
     """Manage the keys in the vault (they never leave it)."""
 
 
-def _key_call(ctx: click.Context, name: str, passphrase_stdin: bool, **args: Any) -> Any:
+def vault_call(ctx: click.Context, name: str, passphrase_stdin: bool, **args: Any) -> Any:
     """Through the running gateway if there is one, else on the vault file."""
     from bastion import ops
     from bastion.vault import Vault, VaultError
@@ -62,7 +62,7 @@ def _key_line(k: dict[str, Any]) -> str:
 @click.pass_context
 def key_generate(ctx: click.Context, label: str, algorithm: str, passphrase_stdin: bool) -> None:
     """Create a key in the vault and print its public half."""
-    k = _key_call(ctx, "key_generate", passphrase_stdin, label=label, algorithm=algorithm)
+    k = vault_call(ctx, "key_generate", passphrase_stdin, label=label, algorithm=algorithm)
     click.echo(k["public_key"])
 
 
@@ -102,9 +102,9 @@ def key_import(
     except VaultError as exc:
         fail(f"{file}: {exc}; nothing was imported")
     text = private.export_private_key("openssh").decode()
-    if vault_pass is not None:  # put the vault passphrase back for _key_call to read
+    if vault_pass is not None:  # put the vault passphrase back for vault_call to read
         sys.stdin = LineStdin(vault_pass)  # type: ignore[assignment]
-    k = _key_call(ctx, "key_import", passphrase_stdin, label=label, private_key=text)
+    k = vault_call(ctx, "key_import", passphrase_stdin, label=label, private_key=text)
     click.echo(f"imported {_key_line(k)}")
 
 
@@ -113,7 +113,7 @@ def key_import(
 @click.pass_context
 def key_list(ctx: click.Context, as_json: bool) -> None:
     """Labels, algorithms and fingerprints (never key material)."""
-    keys = _key_call(ctx, "key_list", False)
+    keys = vault_call(ctx, "key_list", False)
     emit(keys, as_json, lambda ks: "\n".join(_key_line(k) for k in ks) or "(no keys)")
 
 
@@ -123,7 +123,7 @@ def key_list(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
     """Print a key's public half, to install in a target's authorized_keys."""
-    k = _key_call(ctx, "key_public", False, label=label)
+    k = vault_call(ctx, "key_public", False, label=label)
     emit(k, as_json, lambda k: k["public_key"])
 
 
@@ -133,5 +133,5 @@ def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
 @click.pass_context
 def key_remove(ctx: click.Context, label: str, passphrase_stdin: bool) -> None:
     """Delete a key from the vault."""
-    _key_call(ctx, "key_remove", passphrase_stdin, label=label)
+    vault_call(ctx, "key_remove", passphrase_stdin, label=label)
     click.echo(f"removed {label}")
