@@ -25,14 +25,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from bastion import opsock
+from bastion import journal, opsock
 from bastion.devtools.sshd_fixture import SshdInfo
 from bastion.home import Home
 
@@ -473,3 +473,47 @@ def remove_user(name: str) -> None:
     with contextlib.suppress(KeyError):
         grp.getgrnam(name)
         subprocess.run(["groupdel", name], capture_output=True, timeout=60)
+
+
+# -- certificate tests (test_certificate_*.py, test_openbao_*.py) --------------------------
+
+
+@contextlib.contextmanager
+def ssh_agent(directory: Path, timeout: float = 30.0) -> Iterator[Path]:
+    """A real ssh-agent holding one key commented "held", so `ssh -A` has something to
+    forward; yields its socket."""
+    sock = directory / "agent.sock"
+    agent = subprocess.Popen(
+        ["ssh-agent", "-D", "-a", str(sock)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(sock.exists, timeout=timeout)
+        held = directory / "held_key"
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "held", "-f", str(held)],
+            check=True, timeout=timeout, capture_output=True,
+        )  # fmt: skip
+        subprocess.run(
+            ["ssh-add", str(held)], env={**os.environ, "SSH_AUTH_SOCK": str(sock)},
+            stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=True,
+        )  # fmt: skip
+        yield sock
+    finally:
+        agent.terminate()
+        agent.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def journal_frozen(home: Home) -> Iterator[None]:
+    """The journal's live segment made immutable (chattr +i) for the block: every append
+    fails. Skips the test where the filesystem cannot do it."""
+    import pytest
+
+    segment = journal.segments(home.journal)[-1]
+    if subprocess.run(["chattr", "+i", str(segment)], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem cannot make the journal unwritable (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(segment)], check=True)

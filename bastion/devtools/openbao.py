@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-LOOPBACK = "127.0.0.1"
+from bastion.devtools.sshd_setup import LOOPBACK, free_port
+
 BAO_ENV = "BASTION_BAO"  # another bao binary than the venv's or PATH's
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -82,12 +82,6 @@ def sign_policy(mount: str = "ssh", role: str = "bastion", read_role: bool = Tru
     return "".join(rules)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def _hcl_string(text: str) -> str:
     return json.dumps(text)  # a JSON string is an HCL string
 
@@ -125,7 +119,7 @@ class OpenBao:
         self._write_config()
         fixed = self.port is not None
         for _ in range(1 if fixed else _PORT_ATTEMPTS):
-            port = self.port if fixed else _free_port()
+            port = self.port if fixed else free_port(LOOPBACK)
             assert port is not None
             offset = self.log.stat().st_size if self.log.exists() else 0
             with open(self.log, "ab") as out:

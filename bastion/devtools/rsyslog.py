@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-LOOPBACK = "127.0.0.1"
+from bastion.devtools.sshd_setup import LOOPBACK, free_port
+
 RSYSLOGD_ENV = "BASTION_RSYSLOGD"  # another rsyslogd binary than the one on PATH
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 10.0
@@ -63,12 +64,6 @@ def rsyslog_available() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 class Rsyslog:
     """One private rsyslogd. Use as a context manager, or `start()` / `stop()`."""
 
@@ -99,7 +94,7 @@ class Rsyslog:
         (self.root / "work").mkdir(parents=True, exist_ok=True)
         fixed = self.port is not None
         for _ in range(1 if fixed else _PORT_ATTEMPTS):
-            port = self.port if fixed else _free_port()
+            port = self.port if fixed else free_port(LOOPBACK)
             self._write_config(port)
             with open(self.log, "ab") as err:
                 self.proc = subprocess.Popen(

@@ -268,13 +268,7 @@ class Dispatcher:
                 self.pool.refused(slot)  # its MaxSessions is lower: another connection
             finally:
                 await self.pool.release(slot)
-        return Result(
-            Outcome.NOT_STARTED,
-            code=Code.UNREACHABLE,
-            message=f'"{host.alias}" refused a new session ({why}); nothing ran. '
-            "It is safe to retry later.",
-            cause="session_refused",
-        )
+        return _session_refused(host, why)
 
     async def _run_certified(
         self,
@@ -298,13 +292,7 @@ class Dispatcher:
         try:
             return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
         except _ChannelRefused as exc:
-            return Result(
-                Outcome.NOT_STARTED,
-                code=Code.UNREACHABLE,
-                message=f'"{host.alias}" refused a new session ({exc}); nothing ran. '
-                "It is safe to retry later.",
-                cause="session_refused",
-            )
+            return _session_refused(host, str(exc))
         finally:
             conn.close()
 
@@ -399,6 +387,17 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
     if proc.exit_status is not None:  # None: the channel closed without one
         return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
     return _unknown(host, "the connection to the target ended before it reported an exit status")
+
+
+def _session_refused(host: Host, why: str) -> Result:
+    """The target refused a session channel (sshd's MaxSessions): nothing ran."""
+    return Result(
+        Outcome.NOT_STARTED,
+        code=Code.UNREACHABLE,
+        message=f'"{host.alias}" refused a new session ({why}); nothing ran. '
+        "It is safe to retry later.",
+        cause="session_refused",
+    )
 
 
 def _unknown(host: Host, why: str) -> Result:

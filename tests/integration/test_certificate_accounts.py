@@ -10,18 +10,17 @@ in test_certificate_enforcement.py.)
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bastion import ca, journal
+from bastion import ca
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates, sshd_available
 from bastion.ops import unlocked
 from bastion.vault import Vault
-from tests.harness import PASSPHRASE, Bastion, make_bastion, policy_toml
+from tests.harness import PASSPHRASE, Bastion, journal_frozen, make_bastion, policy_toml
 
 CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}
 
@@ -175,15 +174,10 @@ def test_a_certificate_that_cannot_be_journaled_never_leaves_the_gateway(
     rid = agent.start("true")
     b.approve_next()
     assert agent.wait(rid).rc == 0
-    segment = journal.segments(b.home.journal)[-1]
-    if subprocess.run(["chattr", "+i", str(segment)], capture_output=True).returncode != 0:
-        pytest.skip("this filesystem cannot make the journal unwritable (chattr +i)")
     marker = tmp_path / "sent-without-a-record"
     logins = len(login_certificates(ca_sshd.log_text()))
-    try:
+    with journal_frozen(b.home):
         r = agent.run(f"touch {marker}")
-    finally:
-        subprocess.run(["chattr", "-i", str(segment)], check=True)
     assert r.rc == 70 and r.code == "INTERNAL", r.stderr
     assert "could not record the command's certificate" in r.error["message"]  # type: ignore[index]
     assert not marker.exists()

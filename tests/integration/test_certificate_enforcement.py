@@ -30,7 +30,7 @@ from bastion import ca
 from bastion.core.certs import CertSpec, cert_spec
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
 from bastion.vault import Vault
-from tests.harness import wait_for
+from tests.harness import ssh_agent, wait_for
 
 SSH_TIMEOUT = 30.0
 SOURCE = ("127.0.0.1/32",)
@@ -413,24 +413,8 @@ def test_no_local_forward_unless_the_certificate_permits_it(
 
 @pytest.fixture
 def client_agent(tmp_path: Path) -> Iterator[Path]:
-    """A real ssh-agent for the client, holding one key, so -A has something to forward."""
-    sock = tmp_path / "agent.sock"
-    agent = subprocess.Popen(
-        ["ssh-agent", "-D", "-a", str(sock)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for(sock.exists, timeout=SSH_TIMEOUT)
-        held = tmp_path / "held_key"
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "held", "-f", str(held)])
-        subprocess.run(
-            ["ssh-add", str(held)], env=_client_env(sock), stdin=subprocess.DEVNULL,
-            capture_output=True, timeout=SSH_TIMEOUT, check=True,
-        )  # fmt: skip
+    with ssh_agent(tmp_path, SSH_TIMEOUT) as sock:
         yield sock
-    finally:
-        agent.terminate()
-        agent.wait(timeout=SSH_TIMEOUT)
 
 
 def test_no_agent_forwarding_unless_the_certificate_permits_it(

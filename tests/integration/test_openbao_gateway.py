@@ -40,6 +40,7 @@ from tests.harness import (
     Bastion,
     make_bastion,
     policy_toml,
+    ssh_agent,
     wait_for,
     write_bastion_toml,
 )
@@ -245,27 +246,8 @@ def _through_local_forward(team: Team, key: Path, cert: Path) -> str:
 
 @pytest.fixture
 def client_agent(tmp_path: Path) -> Iterator[Path]:
-    """A real ssh-agent holding one key, so -A has something to forward."""
-    sock = tmp_path / "agent.sock"
-    agent = subprocess.Popen(
-        ["ssh-agent", "-D", "-a", str(sock)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for(sock.exists, timeout=SSH_TIMEOUT)
-        held = tmp_path / "held_key"
-        subprocess.run(
-            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(held)],
-            check=True, timeout=SSH_TIMEOUT, capture_output=True,
-        )  # fmt: skip
-        subprocess.run(
-            ["ssh-add", str(held)], env={**os.environ, "SSH_AUTH_SOCK": str(sock)},
-            stdin=subprocess.DEVNULL, capture_output=True, timeout=SSH_TIMEOUT, check=True,
-        )  # fmt: skip
+    with ssh_agent(tmp_path, SSH_TIMEOUT) as sock:
         yield sock
-    finally:
-        agent.terminate()
-        agent.wait(timeout=SSH_TIMEOUT)
 
 
 def test_only_openbao_certificates_log_in_and_they_permit_nothing(

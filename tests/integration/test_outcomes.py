@@ -7,16 +7,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from bastion import journal
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
-from tests.harness import Agent, Bastion, make_bastion, policy_toml, wait_for
+from tests.harness import Agent, Bastion, journal_frozen, make_bastion, policy_toml, wait_for
 
 
 class Relay:
@@ -285,14 +282,9 @@ def test_no_intent_on_disk_means_nothing_is_sent(bastion: Bastion, tmp_path: Pat
     rid = agent.start("true")
     bastion.approve_next()
     assert agent.wait(rid).rc == 0
-    segment = journal.segments(bastion.home.journal)[-1]
-    if subprocess.run(["chattr", "+i", str(segment)], capture_output=True).returncode != 0:
-        pytest.skip("this filesystem cannot make the journal unwritable (chattr +i)")
     marker = tmp_path / "sent-without-intent"
-    try:
+    with journal_frozen(bastion.home):
         r = agent.run(f"touch {marker}")
-    finally:
-        subprocess.run(["chattr", "-i", str(segment)], check=True)
     assert (
         r.rc == 70 and r.code == "INTERNAL" and "could not record its intent" in r.error["message"]
     )
