@@ -223,14 +223,36 @@ def test_views_need_the_passphrase_when_no_gateway_runs(busy: Path) -> None:
     assert r.returncode == 1 and "passphrase" in r.stderr
 
 
-def test_a_fresh_gateway_that_never_unlocked_is_not_yet_verifiable(
+def test_a_fresh_gateway_that_never_unlocked_is_not_yet_certified(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
+    """`bastion init` certified the journal's first records; what a gateway that was
+    never unlocked wrote after them is signed by a boot key nobody certified: named,
+    and refused by --strict."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     b.start_daemon()
     b.close()
     r = verify(b.home.root)
-    assert r.returncode == 1 and "no record was ever certified" in r.stdout, r.stdout
+    assert r.returncode == 0 and "which the journal identity never certified" in r.stdout
+    r = cli(b.home.root, "audit", "verify", "--strict")
+    assert r.returncode == 1 and "never certified (--strict)" in r.stdout, r.stdout
+
+
+def test_a_new_journal_verifies_and_an_emptied_one_does_not(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """Every journal starts with records (`bastion init` writes a boot and its
+    certification), so deleting every segment and head.json is not "intact (0
+    records)" -- with --strict or without."""
+    b = make_bastion(tmp_path, sshd, client_key[0], start=False)
+    r = cli(b.home.root, "audit", "verify", "--strict", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["records"] == 2, r.stdout
+    for seg in journal.segments(b.home.journal):
+        seg.unlink()
+    (b.home.journal / "head.json").unlink()
+    for strict in ((), ("--strict",)):
+        r = cli(b.home.root, "audit", "verify", *strict)
+        assert r.returncode == 1 and "emptied" in r.stdout, r.stdout
 
 
 def test_a_torn_tail_is_set_aside_and_journaled_at_the_next_start(

@@ -29,7 +29,7 @@ from bastion.core.events import EventType
 from bastion.courier import AUDIT, HEAD
 from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
 from bastion.devtools.sshd_fixture import SshdInfo
-from bastion.witness import read_entries
+from bastion.witness_check import read_entries
 from tests.harness import (
     PASSPHRASE,
     Agent,
@@ -369,11 +369,15 @@ def test_a_collector_outage_costs_nothing(
         run_all(agent, ["true"] * 20)  # when_full = "continue": the requests go on
         wait_for(lambda: b.op("status")["witness"]["targets"]["syslog"]["failing"])
         status = json.loads(b.cli("status", "--json").stdout)["witness"]
-        assert status["waiting"] >= 40 and status["oldest_age"] > 0  # a head and a summary each
+        # Two heads (the intent, the ending) and a summary each.
+        assert status["waiting"] >= 60 and status["oldest_age"] > 0
+        # Sent before a witness held their intent: counted, and said at 2 a.m.
+        assert status["unwitnessed_dispatches"] == 20
         assert status["targets"]["syslog"]["last_error"].startswith("cannot reach tcp://")
         assert status["refusing"] is None
         human = b.cli("status").stdout  # what the operator reads at 2 a.m.
         assert "witness:   ok: " in human and "FAILING: cannot reach tcp://" in human, human
+        assert "UNWITNESSED: 20 command(s)" in human, human
         rsyslog.start()  # the same port
         caught_up = witness_caught_up(b, timeout=60)
         assert caught_up["targets"]["syslog"]["failing"] is False
@@ -388,40 +392,48 @@ def test_a_collector_outage_costs_nothing(
     assert set(heads.values()) == {1}
 
 
-def test_a_full_buffer_set_to_refuse_refuses_with_internal_until_drained(
+def test_when_full_refuse_sends_nothing_the_witness_cannot_hold(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
 ) -> None:
+    """`when_full = "refuse"`: a command whose intent no witness confirmed is not sent
+    (GATEWAY_BUSY: nothing was sent, the same request later may run), and past
+    `buffer_max` new requests are refused before the gate; both end once the collector
+    is back."""
     toml = f'[witness]\nsyslog = "{rsyslog.tcp}"\nbuffer_max = 4\nwhen_full = "refuse"\n'
     b = witnessed(tmp_path, sshd, client_key[0], toml)
+    marker = tmp_path / "never-sent"
     try:
         agent = approved_agent(b)
         witness_caught_up(b)
         rsyslog.stop()
-        ran = 0  # a head and a summary each: past the bound of 4 after the third
-
-        def told() -> dict[str, Any]:
-            """`status` once the witness has been told of every record written."""
-            wait_for(lambda: (j := b.op("status")["journal"])["synced_seq"] == j["seq"])
-            return b.op("status")["witness"]
-
-        while told()["refusing"] is None:
-            assert agent.run("true").rc == 0  # below the bound, work goes on
-            ran += 1
-            assert ran <= 4, told()
-        assert ran >= 2
-        refused = agent.run("echo never-sent")
-        assert refused.code == "INTERNAL" and refused.stdout == b"", refused.stderr
-        message = refused.error["message"] if refused.error else ""
-        assert "audit witness" in message and "retry later" in message, message
+        refused = agent.run(f"touch {marker}")
+        assert refused.code == "GATEWAY_BUSY" and refused.stdout == b"", refused.stderr
+        assert refused.error is not None and refused.error["retryable"] is True
+        assert "did not confirm that it holds this command's intent" in refused.error["message"]
+        assert not marker.exists()
+        state = json.loads(b.cli("request", refused.error["request_id"], "--json").stdout)
+        assert state["state"] == "retry_safe", state
+        codes = []  # denials fill the spool too, until new work is refused before the gate
+        while "GATEWAY_BUSY" not in codes:
+            codes.append(agent.run("true", host="nowhere").code)
+            assert len(codes) <= 8 and set(codes) <= {"UNKNOWN_HOST", "GATEWAY_BUSY"}, codes
+        before_gate = agent.run(f"touch {marker}")
+        assert before_gate.code == "GATEWAY_BUSY" and before_gate.error is not None
+        assert "audit witness" in before_gate.error["message"]
         assert "REFUSING NEW WORK" in b.cli("status").stdout
         rsyslog.start()
         witness_caught_up(b, timeout=60)
-        assert agent.run("true").rc == 0  # caught up: work is taken again
+        assert agent.run(f"touch {marker}").rc == 0  # caught up: work is taken again
+        assert marker.exists()
     finally:
         b.close()
     r = cli(b.home.root, "audit", "activity", "--json", "--passphrase-stdin", stdin=PASSPHRASE)
-    (row,) = [row for row in json.loads(r.stdout) if row["command"] == "echo never-sent"]
-    assert (row["outcome"], row["code"], row["session_id"]) == ("denied", "INTERNAL", None)
+    rows = {row["request_id"]: row for row in json.loads(r.stdout)}
+    at_intent = rows[refused.error["request_id"]]  # its intent is on record, then its end
+    assert (at_intent["outcome"], at_intent["code"]) == ("denied", "GATEWAY_BUSY")
+    assert at_intent["session_id"] is not None
+    early = rows[before_gate.error["request_id"]]  # refused before the gate: no intent
+    assert (early["outcome"], early["code"], early["session_id"]) == ("denied", "GATEWAY_BUSY", None)
 
 
 # -- bastion.toml -----------------------------------------------------------------------------

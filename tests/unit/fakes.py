@@ -203,6 +203,7 @@ class FakeOutbound:
         on_exec: Callable[[Any], None],
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Any] | None = None,
+        prepare: Callable[[], Any] | None = None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         call = Call(
@@ -215,6 +216,8 @@ class FakeOutbound:
             await call.connected
         except OSError:
             return Result(Outcome.NOT_STARTED, code=Code.UNREACHABLE, message="unreachable")
+        if prepare is not None:
+            await prepare()  # a witness holds the intent, or NotDispatched: nothing leaves
         intent()  # raises NotDispatched: nothing leaves
         call.sent = True
         self.sent.append(call)

@@ -394,8 +394,9 @@ async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gat
     full = "the audit witness is 9 entries behind; retry later"
     rig.life.service.refusing = lambda: full
     result = await rig.send(rig.life.connect(rig.tree.spawn()))
-    assert isinstance(result, Failure) and result.code is Code.INTERNAL
-    assert result.message == full and rig.life.book.pending() == []
+    # Not now, and nothing was sent: the same request later may run (retryable).
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+    assert result.code.retryable and result.message == full and rig.life.book.pending() == []
     assert rig.outbound.calls == [] and rig.outbound.sent == []
     rig.life.service.refusing = lambda: None  # caught up: work is taken again
     waiting = rig.send(rig.life.connect(rig.tree.spawn()))
