@@ -9,6 +9,7 @@ stops the gateway."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bastion import journal
 from bastion.core.events import EventType
@@ -323,6 +325,107 @@ def test_laundering_after_a_kill_is_caught(
     assert r.returncode == 1 and forged in r.stdout
 
 
+# -- the intent is witnessed before the exec leaves (issue 18) ---------------------------------
+
+
+def cut_to(home: Path, seq: int) -> None:
+    """The attacker's edit, with the gateway's uid: keep the records up to `seq`, make
+    head.json agree, and empty the witness spool (its open requests and its backlog)."""
+    jdir = home / "journal"
+    for seg in journal.segments(jdir):
+        kept = [x for x in seg.read_bytes().split(b"\n")[:-1] if json.loads(x)["seq"] <= seq]
+        seg.write_bytes(b"".join(x + b"\n" for x in kept))
+    fix_anchor(home, "rewritten")
+    spool = home / "witness-spool"
+    shutil.rmtree(spool)
+    spool.mkdir(mode=0o700)
+    (spool / "open.jsonl").write_text("")
+
+
+def killed_mid_command(
+    root: Path, sshd: SshdInfo, key: Path, rsyslog: Rsyslog
+) -> tuple[Bastion, str, list[journal.Record]]:
+    """A witnessed gateway SIGKILLed while an approved command runs on the target: the
+    home, the request id, and the request's records (received first)."""
+    b = witnessed(root, sshd, key, f'[witness]\nsyslog = "{rsyslog.tcp}"\n')
+    marker = root / "it-ran"
+    try:
+        agent = approved_agent(b)
+        witness_caught_up(b)
+        agent.start(f"touch {marker}; sleep 120")
+        wait_for(marker.exists, 30)  # it reached the target
+        assert b.daemon is not None
+        b.daemon.send_signal(signal.SIGKILL)
+        b.daemon.wait(10)
+    finally:
+        b.close()
+    recs = list(journal.records(b.home.journal))
+    rid = [r for r in recs if r.type == "request_received"][-1].meta["request_id"]
+    return b, rid, [r for r in recs if r.meta.get("request_id") == rid]
+
+
+def test_a_command_that_reached_its_target_cannot_be_cut_from_the_journal(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    """The reviewer's attack: SIGKILL the gateway while a command runs, cut the journal
+    back to before it (the last head the witness heard, before issue 18), rewrite
+    head.json, empty the spool, restart and unlock. The witness confirmed the intent's
+    head before the exec left, so `audit verify --strict --witness` names it. Before,
+    heads went out only at endings and certifications, and verify said intact."""
+    b, _, ours = killed_mid_command(tmp_path, sshd, client_key[0], rsyslog)
+    intent = next(r.seq for r in ours if r.type == "dispatch_started")
+    rsyslog.wait_for(lambda _: intent in head_seqs(rsyslog.output))
+    cut_to(b.home.root, max(s for s in head_seqs(rsyslog.output) if s < ours[0].seq))
+    b.start_daemon()
+    try:
+        b.unlock()  # a new lifetime certifies the cut journal: only the witness knows
+    finally:
+        b.close()
+    assert cli(b.home.root, "audit", "verify", "--strict").returncode == 0
+    r = cli(b.home.root, "audit", "verify", "--strict", "--witness", str(rsyslog.output))
+    (said,) = [line for line in r.stdout.splitlines() if line.startswith("witness ")]
+    assert r.returncode == 1 and f"BROKEN: forked: seq {intent} has hash" in said, r.stdout
+
+
+def test_cut_at_the_last_witnessed_head_the_command_is_still_on_record(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    """The same kill, cut back exactly to the last head the witness heard: that head is
+    the intent's, so the command is not gone -- it reads `status_unknown` -- and the
+    journal verifies against the witness. (Before issue 18 the last witnessed head was
+    the previous request's end, and the command vanished.)"""
+    b, rid, ours = killed_mid_command(tmp_path, sshd, client_key[0], rsyslog)
+    intent = next(r.seq for r in ours if r.type == "dispatch_started")
+    rsyslog.wait_for(lambda _: intent in head_seqs(rsyslog.output))
+    cut_to(b.home.root, max(head_seqs(rsyslog.output)))
+    b.start_daemon()
+    try:
+        b.unlock()
+        state = json.loads(b.cli("request", rid, "--json").stdout)
+        assert state["state"] == "status_unknown", state
+    finally:
+        b.close()
+    r = cli(b.home.root, "audit", "verify", "--strict", "--witness", str(rsyslog.output))
+    assert r.returncode == 0, r.stdout
+
+
+def test_a_forged_head_in_the_witness_is_named_forged(busy: dict[str, Path], tmp_path: Path):
+    """A head with a real record's seq and hash, signed by a key that is not its boot's:
+    someone else wrote to the witness. (A false alarm either way; now it says which.)"""
+    forged_log = tmp_path / "witness.log"
+    shutil.copy(busy["file"], forged_log)
+    head = read_entries([forged_log], HEAD)[0]
+    digest = bytes.fromhex(head["hash"])
+    fake = base64.b64encode(Ed25519PrivateKey.generate().sign(digest)).decode()
+    with open(forged_log, "a") as f:
+        f.write(f"{HEAD} {json.dumps({**head, 'sig': fake})}\n")
+    assert verify(busy["home"], busy["file"]).returncode == 0  # the real witness: intact
+    r = verify(busy["home"], forged_log)
+    assert (
+        r.returncode == 1 and f"forged: the witness holds a head for seq {head['seq']}" in r.stdout
+    )
+
+
 # -- the syslog stream ------------------------------------------------------------------------
 
 
@@ -433,7 +536,11 @@ def test_when_full_refuse_sends_nothing_the_witness_cannot_hold(
     assert (at_intent["outcome"], at_intent["code"]) == ("denied", "GATEWAY_BUSY")
     assert at_intent["session_id"] is not None
     early = rows[before_gate.error["request_id"]]  # refused before the gate: no intent
-    assert (early["outcome"], early["code"], early["session_id"]) == ("denied", "GATEWAY_BUSY", None)
+    assert (early["outcome"], early["code"], early["session_id"]) == (
+        "denied",
+        "GATEWAY_BUSY",
+        None,
+    )
 
 
 # -- bastion.toml -----------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class FakeJournal:
 
     records: list[Rec] = field(default_factory=list)
     fail_intents: bool = False
+    fail: set[EventType] = field(default_factory=set)  # kinds the disk refuses (disk full)
 
     def writer(self, boot: str) -> JournalHandle:
         return JournalHandle(self, boot)
@@ -138,6 +139,8 @@ class JournalHandle:
             return None
         if kind is EventType.DISPATCH_STARTED and self.journal.fail_intents:
             raise JournalError("disk full")
+        if kind in self.journal.fail:
+            raise JournalError("could not write to the journal: No space left on device")
         rec = Rec(len(self.journal.records) + 1, self.boot, kind.value, dict(meta), dict(event))
         self.journal.records.append(rec)
         return rec
