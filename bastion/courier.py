@@ -386,6 +386,7 @@ class Courier(threading.Thread):
         self.last_error: str | None = None
         self.last_error_at: float | None = None
         self.failing = False
+        self.witnessed = 0  # the highest journal seq of a head this witness confirmed
 
     def run(self) -> None:
         pause, name = 0.0, self.target.name
@@ -428,6 +429,8 @@ class Courier(threading.Thread):
             self.spool.commit(self.target.name, upto)
             self.delivered += done
             self.last_delivery = time.time()
+            heads = [e.doc.get("seq") for e in entries[: entries.index(upto) + 1] if e.kind == HEAD]
+            self.witnessed = max([self.witnessed, *(s for s in heads if type(s) is int)])
         self.after()
         if error is None:
             if self.failing:

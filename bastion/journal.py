@@ -23,7 +23,13 @@ Each line of a `*.jsonl` segment is one record:
 
 A head anchor (`head.json`) and `--expect-head` catch truncation; a torn last
 line (a crash mid-write) is reported by `verify` and, at the next start, moved
-aside into `torn-*.bin` and journaled -- never silently dropped.
+aside into `torn-*.bin` and journaled -- never silently dropped. A last line that
+is a whole record and lacks only its newline is a record, not a torn one: the
+next start adds the newline. A write the disk refused in part (ENOSPC) is cut
+off again at once, so the next record starts on a line of its own; the torn
+writes older versions left inside a segment are told apart from edits
+(`Line.fragment`). `create` writes a journal's first records (its genesis) with
+its identity, so a journal that has an identity and no record was emptied.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import secrets
 import threading
@@ -49,6 +56,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from bastion.core.events import EventType
+
+log = logging.getLogger("bastion")
 
 FORMAT = "bastion-journal-1"
 IDENTITY_LABEL = "bastion-journal"  # the vault key that is the journal identity
@@ -106,6 +115,18 @@ def write_identity(directory: Path, identity: Ed25519PrivateKey) -> Identity:
     path.write_text(json.dumps(doc, indent=1) + "\n")
     os.chmod(path, 0o600)
     return Identity(signing, X25519PublicKey.from_public_bytes(enc))
+
+
+def create(directory: Path, identity: Ed25519PrivateKey) -> Identity:
+    """A new journal: its identity and its genesis -- a boot and the identity's
+    certification of it, the first two records. Every journal has records from the
+    moment it exists, so one with an identity and none was emptied (`verify`)."""
+    public = write_identity(directory, identity)
+    genesis = Journal(directory, public, "boot_" + secrets.token_hex(12))
+    genesis.open()
+    genesis.certify(identity)
+    genesis.close()
+    return public
 
 
 def read_identity(directory: Path, expect_signing: bytes | None = None) -> Identity:
@@ -187,7 +208,28 @@ class Line:
     number: int
     raw: bytes
     record: Record | None
-    torn: bool = False  # no newline at the end of the last line
+    torn: bool = False  # the last line, cut short by a crash: no newline, not a record
+    unterminated: bool = False  # the last line is a whole record that lacks its newline
+    # A torn write inside a segment: the first bytes of a record that was never finished
+    # (a write the disk refused in part), followed on the same line by the next record.
+    fragment: bytes = b""
+
+
+_RECORD_START = b'{"boot":"'  # every canonical record line begins so (its keys are sorted)
+
+
+def _split_fragment(raw: bytes) -> tuple[bytes, Record] | None:
+    """A line that is an unfinished record's first bytes and then a whole record, as a
+    short write followed by the next append leaves it; None when it is not that."""
+    if not raw.startswith(_RECORD_START):
+        return None
+    at = raw.rfind(_RECORD_START)
+    while at > 0:
+        record = parse_record(raw[at:])
+        if record is not None:
+            return raw[:at], record
+        at = raw.rfind(_RECORD_START, 0, at)
+    return None
 
 
 def read_lines(directory: Path) -> Iterator[Line]:
@@ -199,8 +241,16 @@ def read_lines(directory: Path) -> Iterator[Line]:
         if last_has_newline:
             parts = parts[:-1]
         for i, raw in enumerate(parts):
-            torn = si == len(segs) - 1 and i == len(parts) - 1 and not last_has_newline
-            yield Line(path, i + 1, raw, None if torn else parse_record(raw), torn)
+            record = parse_record(raw)
+            last = si == len(segs) - 1 and i == len(parts) - 1 and not last_has_newline
+            if last:
+                yield Line(path, i + 1, raw, record, torn=record is None, unterminated=True)
+                continue
+            split = _split_fragment(raw) if record is None else None
+            if split is not None:
+                yield Line(path, i + 1, raw, split[1], fragment=split[0])
+                continue
+            yield Line(path, i + 1, raw, record)
 
 
 def parse_record(raw: bytes) -> Record | None:
@@ -247,6 +297,8 @@ class Journal:
         self.head = GENESIS
         self._fd: int | None = None
         self._path: Path | None = None
+        self._size = 0  # the open segment's length: where a failed write is cut back to
+        self._damaged: str | None = None  # why a failed write's bytes are still there
         # Group commit: `append(sync=False)` writes and returns; `sync()` (from any
         # thread) makes everything written so far durable with one fdatasync.
         self._lock = threading.Lock()  # seq/head/fd as one, for `sync` in a thread
@@ -265,15 +317,26 @@ class Journal:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         found: list[Record] = []
         torn: Line | None = None
+        unterminated: Line | None = None
+        damaged = 0
         for line in read_lines(self.directory):
-            if line.torn or line.record is None:
-                torn = line if line.torn else torn
-                continue
-            found.append(line.record)
+            if line.torn:
+                torn = line
+            elif line.record is None:
+                damaged += 1
+            else:
+                unterminated = line if line.unterminated else unterminated
+                found.append(line.record)
+        if damaged:
+            log.error("journal: %d line(s) are not records: see `bastion audit verify`", damaged)
         if found:
             self.seq, self.head = found[-1].seq, bytes.fromhex(found[-1].hash)
         if torn is not None:
             self._set_aside(torn)
+        if unterminated is not None:  # a whole record: it only lacks its newline
+            with open(unterminated.path, "ab") as f:
+                f.write(b"\n")
+                os.fsync(f.fileno())
         segs = segments(self.directory)
         self._open_segment(segs[-1] if segs else None)
         self.append(
@@ -313,6 +376,7 @@ class Journal:
             path = self.directory / f"{self.seq + 1:012d}.jsonl"
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._size = os.fstat(self._fd).st_size
 
     # appending -----------------------------------------------------------------------
 
@@ -334,8 +398,7 @@ class Journal:
         digest = chain_hash(self.head, seq, unsigned.body())
         record = replace(unsigned, hash=digest.hex(), sig=_b64(self._boot_signing.sign(digest)))
         line = record.line()
-        if os.write(self._fd, line) != len(line):
-            raise JournalError("short write to the journal")
+        self._write(line)
         with self._lock:
             self.seq, self.head = seq, digest
             if self._path is not None and os.fstat(self._fd).st_size >= SEGMENT_MAX:
@@ -346,6 +409,38 @@ class Journal:
         self.appends += 1
         self.append_seconds += time.perf_counter() - began
         return record
+
+    def _write(self, line: bytes) -> None:
+        """Append one whole line, or nothing: what a refused or short write left is cut
+        off again at once, so no part of a record that failed is ever followed by the
+        next one (which would read as an edit). If even that fails, nothing more is
+        written until it succeeds."""
+        assert self._fd is not None
+        if self._damaged is not None:
+            self._cut_back()
+        try:
+            written = os.write(self._fd, line)
+        except OSError as exc:
+            written, why = -1, f"{exc.strerror or exc}"
+        else:
+            why = f"short write ({written} of {len(line)} bytes; disk full?)"
+        if written == len(line):
+            self._size += written
+            return
+        self._damaged = why
+        self._cut_back()
+        raise JournalError(f"could not write to the journal: {why}; nothing of it was kept")
+
+    def _cut_back(self) -> None:
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            raise JournalError(
+                f"the journal holds part of a record that failed ({self._damaged}) and it "
+                f"could not be cut off ({exc.strerror or exc}); nothing more is written"
+            ) from None
+        self._damaged = None
 
     def sync(self) -> int:
         """Make every record written so far durable; returns the last durable seq.

@@ -88,6 +88,7 @@ def verify(
     last_line: Line | None = None
     lines = list(read_lines(directory))
     present = {line.record.seq for line in lines if line.record is not None}
+    torn_writes: list[str] = []
     for line in lines:
         last_line = line
         if line.torn:
@@ -95,6 +96,17 @@ def verify(
         r = line.record
         if r is None:
             return bad(line, "edited: not a well-formed record")
+        if line.fragment:
+            torn_writes.append(
+                f"{line.path.name}:{line.number}: a torn write, not an edit: {len(line.fragment)} "
+                f"byte(s) of a record the gateway failed to write (it logged the failure) "
+                f"precede seq {r.seq} on the same line; the chain goes on unbroken"
+            )
+        if line.unterminated:
+            v.notes.append(
+                f"{line.path.name}:{line.number} (seq {r.seq}) is a whole record that lacks its "
+                "final newline (the gateway stopped just after writing it); the next start adds it"
+            )
         if r.seq < expected:
             return bad(line, f"reordered: seq {r.seq} after {expected - 1}")
         if r.seq > expected and expected in present:
@@ -140,7 +152,18 @@ def verify(
             found_head = True
         prev, expected = digest, expected + 1
         v.records += 1
-    if v.records and certified_to == 0:
+    if not v.records:
+        return bad(
+            None,
+            "emptied: the journal has an identity but no record, and a journal is created with "
+            "its first records (`bastion init` writes a boot and its certification): every "
+            "segment was deleted (or the home was made before bastion wrote these first "
+            "records and no gateway has run since: start one once)",
+        )
+    v.notes.extend(torn_writes)
+    if strict and torn_writes:
+        return bad(last_line, f"torn write: {torn_writes[0]} (--strict)")
+    if certified_to == 0:
         return bad(
             last_line,
             "unsigned: no record was ever certified by the journal identity "

@@ -22,6 +22,7 @@ transports, retries) is `courier.py`'s; see docs/architecture.md, The witness.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -29,8 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from bastion.courier import AUDIT, HEAD, Courier, FileWitness, Spool, SyslogWitn
 
 log = logging.getLogger("bastion")
 
+INTENT_WAIT = 5.0  # seconds a dispatch waits for every witness to confirm its intent
 OPEN_MAX = 10_000  # open requests remembered for their summaries (the oldest is dropped)
 OPEN_COMPACT = 1_000  # requests closed before open.jsonl is rewritten
 CLOSE_TIMEOUT = 5.0  # seconds a stopping gateway waits for the witnesses to catch up
@@ -65,6 +66,92 @@ class _Entry:
     meta: dict[str, Any]
 
 
+class OpenRequests:
+    """Requests still open, with what their records said so far: their summary is sent
+    when they end, perhaps by the next lifetime (recovery closes them), so they are kept
+    in `open.jsonl` too -- appended to, and rewritten every OPEN_COMPACT endings."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pairs: dict[str, list[tuple[_Entry, dict[str, Any]]]] = {}
+        self._fd: int | None = None
+        self._ended_since_compact = 0
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def load(self) -> None:
+        """What an earlier lifetime left open; the file is rewritten without the rest."""
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+            for raw in f:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    d = json.loads(raw)
+                    if d.get("done"):
+                        self._pairs.pop(d["rid"], None)
+                        continue
+                    entry = _Entry(int(d["seq"]), str(d["boot"]), str(d["type"]), dict(d["meta"]))
+                    if entry.type == EventType.REQUEST_RECEIVED.value:
+                        self._pairs[d["rid"]] = []
+                    self._pairs.get(d["rid"], []).append((entry, dict(d["event"])))
+        for rid in list(self._pairs)[: max(0, len(self._pairs) - OPEN_MAX)]:
+            del self._pairs[rid]
+        self._rewrite()
+
+    def received(self, rid: str) -> None:
+        self._pairs.pop(rid, None)
+        self._pairs[rid] = []
+        while len(self._pairs) > OPEN_MAX:
+            dropped = next(iter(self._pairs))
+            log.warning("witness: too many open requests; %s's summary will be partial", dropped)
+            del self._pairs[dropped]
+
+    def add(self, rid: str, pair: tuple[_Entry, dict[str, Any]]) -> None:
+        pairs = self._pairs.get(rid)
+        if pairs is not None:
+            pairs.append(pair)
+            self._persist({"rid": rid, **asdict(pair[0]), "event": pair[1]})
+
+    def ended(self, rid: str) -> list[tuple[_Entry, dict[str, Any]]] | None:
+        """What the request's records said, now that it has ended (None: not known)."""
+        pairs = self._pairs.pop(rid, None)
+        if pairs is not None:
+            self._persist({"rid": rid, "done": True})
+        return pairs
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _rewrite(self) -> None:
+        lines = [
+            dumps({"rid": rid, **asdict(e), "event": ev}) + "\n"
+            for rid, pairs in self._pairs.items()
+            for e, ev in pairs
+        ]
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(lines))
+        os.replace(tmp, self.path)
+        self.close()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND, 0o600)
+        self._ended_since_compact = 0
+
+    def _persist(self, doc: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        try:
+            if doc.get("done"):
+                self._ended_since_compact += 1
+                if self._ended_since_compact >= OPEN_COMPACT:
+                    self._rewrite()
+                    return
+            os.write(self._fd, (dumps(doc) + "\n").encode())
+        except OSError as exc:
+            log.error("witness: cannot record an open request in %s: %s", self.path, exc)
+
+
 class Witness:
     """The recorder's sink (`sink`): what to witness, queued to the spool; and the
     witnesses' health (`health`) and the refusal `when_full = "refuse"` asks for."""
@@ -81,24 +168,28 @@ class Witness:
         if config.syslog is not None:
             targets.append(SyslogWitness(config.syslog))
         self.spool = Spool(spool, [t.name for t in targets])
-        self.couriers = [Courier(t, self.spool, self._check_full) for t in targets]
+        self.couriers = [Courier(t, self.spool, self._delivered) for t in targets]
         self.summaries = config.syslog is not None
         self.last_head: dict[str, Any] | None = None
-        self._open: dict[str, list[tuple[_Entry, dict[str, Any]]]] = {}
-        self._open_path = spool / "open.jsonl"
-        self._open_fd: int | None = None
-        self._closed_since_compact = 0
+        self._open = OpenRequests(spool / "open.jsonl")
         self._since_head = 0
         self._full = False
         self._lock = threading.Lock()
         self._spool_error: str | None = None
+        # Dispatches waiting for their intent's head to be confirmed: (journal seq, future).
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.unwitnessed = 0  # commands sent while no witness confirmed their intent
+        self._unwitnessed_logged = False
 
     # -- the lifetime --------------------------------------------------------------------
 
     def start(self) -> None:
         """Open the spool (what an earlier lifetime left is sent first) and start sending."""
+        with contextlib.suppress(RuntimeError):  # no loop: a test of the spool alone
+            self._loop = asyncio.get_running_loop()
         self.spool.open()
-        self._load_open()
+        self._open.load()
         self._check_full()
         for courier in self.couriers:
             courier.start()
@@ -123,9 +214,7 @@ class Witness:
                     self.spool.directory,
                 )
         self.spool.close()
-        if self._open_fd is not None:
-            os.close(self._open_fd)
-            self._open_fd = None
+        self._open.close()
 
     # -- the sink ------------------------------------------------------------------------
 
@@ -136,7 +225,9 @@ class Witness:
         self._since_head += 1
         every = self.config.every
         due = kind in TERMINAL if every is None else self._since_head >= every
-        if kind is EventType.CERTIFY or due:
+        # The intent's head always goes, and the exec waits for it (`intent`): once a
+        # command may have reached its target, no one here can make it unsaid.
+        if kind in (EventType.CERTIFY, EventType.DISPATCH_STARTED) or due:
             self._since_head = 0
             head = {
                 "journal": self.journal,
@@ -169,78 +260,79 @@ class Witness:
         entry = _Entry(record.seq, record.boot, record.type, dict(record.meta))
         pair = (entry, event if self.with_commands else without_commands(event))
         if kind is EventType.REQUEST_RECEIVED:
-            self._open.pop(rid, None)
-            self._open[rid] = []
-            while len(self._open) > OPEN_MAX:
-                dropped = next(iter(self._open))
-                log.warning(
-                    "witness: too many open requests; %s's summary will be partial", dropped
-                )
-                del self._open[dropped]
-        pairs = self._open.get(rid)
+            self._open.received(rid)
         if kind not in TERMINAL:
-            if pairs is not None:
-                pairs.append(pair)
-                self._persist({"rid": rid, **asdict(entry), "event": pair[1]})
+            self._open.add(rid, pair)
             return
+        pairs = self._open.ended(rid)
         if pairs is None:  # received before this witness knew of it: what the record says
             pairs = [
                 (_Entry(0, record.boot, EventType.REQUEST_RECEIVED.value, {"request_id": rid}), {})
             ]
-        else:
-            del self._open[rid]
-            self._persist({"rid": rid, "done": True})
         row = activity([*pairs, pair])[0]
         self._add(AUDIT, row if self.with_commands else without_commands(row))
 
-    # -- requests still open, across a restart (their summary comes from the next lifetime)
+    # -- the intent, witnessed before the exec leaves --------------------------------------
 
-    def _load_open(self) -> None:
-        """Requests an earlier lifetime left open: recovery will close them, and their
-        summaries need what their first records said (`open.jsonl`, rewritten here)."""
-        with contextlib.suppress(FileNotFoundError), open(self._open_path, "rb") as f:
-            for raw in f:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    d = json.loads(raw)
-                    if d.get("done"):
-                        self._open.pop(d["rid"], None)
-                        continue
-                    entry = _Entry(int(d["seq"]), str(d["boot"]), str(d["type"]), dict(d["meta"]))
-                    if entry.type == EventType.REQUEST_RECEIVED.value:
-                        self._open[d["rid"]] = []
-                    self._open.get(d["rid"], []).append((entry, dict(d["event"])))
-        for rid in list(self._open)[: max(0, len(self._open) - OPEN_MAX)]:
-            del self._open[rid]
-        self._rewrite_open()
+    def witnessed(self) -> int:
+        """The highest journal seq every witness has confirmed a head for."""
+        return min((c.witnessed for c in self.couriers), default=0)
 
-    def _rewrite_open(self) -> None:
-        lines = [
-            dumps({"rid": rid, **asdict(e), "event": ev}) + "\n"
-            for rid, pairs in self._open.items()
-            for e, ev in pairs
-        ]
-        tmp = self._open_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(lines))
-        os.replace(tmp, self._open_path)
-        if self._open_fd is not None:
-            os.close(self._open_fd)
-        self._open_fd = os.open(self._open_path, os.O_WRONLY | os.O_APPEND, 0o600)
-        self._closed_since_compact = 0
+    async def intent(self, seq: int) -> str | None:
+        """Called once the intent (`dispatch_started`, journal seq `seq`) is on disk and
+        before the exec request leaves: wait, up to INTENT_WAIT, until every witness has
+        confirmed its head, so truncating the journal back past a command that may have
+        run fails `audit verify --witness`. None: go on. A witness that cannot confirm
+        (failing, or too slow) gets `when_full`'s answer: "refuse" returns why the
+        request must not be sent; "continue" sends it unwitnessed, counted in `status`."""
+        if self.witnessed() >= seq:
+            return None
+        if not any(c.failing for c in self.couriers):
+            loop = self._loop = asyncio.get_running_loop()
+            item = (seq, loop.create_future())
+            self._waiters.append(item)
+            try:
+                self._wake()  # confirmed between the check above and the registration
+                await asyncio.wait_for(asyncio.shield(item[1]), INTENT_WAIT)
+                return None
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.remove(item)
+        if self.config.when_full == "refuse":
+            return (
+                "the audit witness did not confirm that it holds this command's intent "
+                f"(within {INTENT_WAIT:g} s; when_full = refuse), so the gateway did not send "
+                "it. Nothing was sent. An operator must get the witness delivering again "
+                "(`bastion status` shows why); then send the command again"
+            )
+        self.unwitnessed += 1
+        if not self._unwitnessed_logged:
+            self._unwitnessed_logged = True
+            log.warning(
+                "WITNESS: a command was sent before any witness confirmed its intent (seq %d; "
+                "when_full = continue): until the witness delivers again, commands sent can "
+                "be erased from this journal unnoticed",
+                seq,
+            )
+        return None
 
-    def _persist(self, doc: dict[str, Any]) -> None:
-        if self._open_fd is None:
-            return
-        try:
-            if doc.get("done"):
-                self._closed_since_compact += 1
-                if self._closed_since_compact >= OPEN_COMPACT:
-                    self._rewrite_open()
-                    return
-            os.write(self._open_fd, (dumps(doc) + "\n").encode())
-        except OSError as exc:
-            log.error("witness: cannot record an open request in %s: %s", self._open_path, exc)
+    def _delivered(self) -> None:
+        """A courier's thread, after each delivery attempt: the backlog, and the
+        dispatches waiting for what it confirmed."""
+        self._check_full()
+        if not any(c.failing for c in self.couriers):
+            self._unwitnessed_logged = False
+        loop = self._loop
+        if loop is not None and self._waiters:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        done = self.witnessed()
+        for seq, fut in self._waiters:
+            if seq <= done and not fut.done():
+                fut.set_result(None)
 
     # -- how far behind ------------------------------------------------------------------
 
@@ -294,103 +386,7 @@ class Witness:
             "journal": self.journal,
             "last_head": self.last_head,
             "open_requests": len(self._open),
+            "witnessed_seq": self.witnessed(),
+            "unwitnessed_dispatches": self.unwitnessed,
             "targets": targets,
         }
-
-
-# -- reading a witness back, and checking a journal against it --------------------------------
-
-
-def parse_line(text: str) -> tuple[str, dict[str, Any]] | None:
-    """The entry in one line of any file a witness or a collector wrote: the JSON
-    object after the line's first marker. A marker quoted inside JSON is never
-    first (its own entry's marker comes before it) and never parses."""
-    found = [(i, m) for m in (HEAD, AUDIT) if (i := text.find(m + " {")) >= 0]
-    if not found:
-        return None
-    at, marker = min(found)
-    try:
-        doc, _ = _JSON.raw_decode(text, at + len(marker) + 1)
-    except ValueError:
-        return None
-    return (marker, doc) if isinstance(doc, dict) else None
-
-
-def read_entries(paths: Iterable[Path], kind: str = HEAD) -> list[dict[str, Any]]:
-    """Every entry of one kind in these files, in file order (a directory: every
-    file in it, by name -- a witness directory, or a collector's rotated logs)."""
-    out = []
-    files = (
-        f
-        for p in paths
-        for f in (sorted(x for x in p.iterdir() if x.is_file()) if p.is_dir() else [p])
-    )
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parsed = parse_line(line)
-                if parsed is not None and parsed[0] == kind:
-                    out.append(parsed[1])
-    return out
-
-
-@dataclass
-class WitnessCheck:
-    ok: bool
-    problem: str | None = None  # the first witnessed head the journal does not hold, and why
-    heads: int = 0  # distinct witnessed heads of this journal
-    last: int | None = None  # the highest witnessed seq
-    other_journals: int = 0  # heads of other journals, ignored
-    notes: list[str] = field(default_factory=list)
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def check(directory: Path, identity: journal.Identity, heads: list[dict[str, Any]]) -> WitnessCheck:
-    """Does the journal hold every head the witness saw, with the same hash? A
-    journal that ends before one was truncated; another hash at its seq was
-    rolled back or rebuilt. Nothing witnessed proves nothing, and fails too."""
-    jid = journal_id(identity)
-    seen: dict[int, str] = {}
-    c = WitnessCheck(ok=False)
-    for h in heads:
-        seq, digest = h.get("seq"), h.get("hash")
-        if h.get("journal") != jid or type(seq) is not int or not isinstance(digest, str):
-            c.other_journals += h.get("journal") != jid
-            continue
-        if seen.setdefault(seq, digest) != digest:
-            c.problem = (
-                f"seq {seq}: the witness saw two hashes ({seen[seq][:16]}... and "
-                f"{digest[:16]}...): the journal was rolled back or rebuilt while a gateway ran"
-            )
-            return c
-    c.heads, c.last = len(seen), max(seen, default=None)
-    if not seen:
-        c.problem = (
-            f"no witnessed head of this journal (journal {jid}); "
-            f"{c.other_journals} head(s) of other journals. Nothing witnessed is not proof"
-        )
-        return c
-    local = {r.seq: r.hash for r in journal.records(directory)}
-    end = max(local, default=0)
-    for seq in sorted(seen):
-        witnessed = seen[seq][:16]
-        if seq > end:
-            c.problem = (
-                f"truncated: the witness saw seq {seq} (hash {witnessed}...), "
-                f"the journal ends at seq {end}"
-            )
-        elif seq not in local:
-            c.problem = f"deleted: the witness saw seq {seq} (hash {witnessed}...), it is missing"
-        elif local[seq] != seen[seq]:
-            c.problem = (
-                f"forked: seq {seq} has hash {local[seq][:16]}... here, the witness saw "
-                f"{witnessed}... (rolled back, rebuilt or laundered)"
-            )
-        if c.problem:
-            return c
-    c.ok = True
-    if end > c.last:
-        c.notes.append(f"{end - c.last} record(s) after seq {c.last} are not witnessed yet")
-    return c

@@ -32,6 +32,7 @@ from tests.harness import (  # noqa: E402
     Result,
     make_bastion,
     policy_toml,
+    write_bastion_toml,
 )
 
 BLOB_SIZE = 32 << 20
@@ -70,7 +71,9 @@ def stats(xs: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(xs) * 1e3, "p90_ms": p90 * 1e3, "min_ms": min(xs) * 1e3}
 
 
-def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) -> dict[str, Any]:
+def bench(
+    root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True, witness: bool = False
+) -> dict[str, Any]:
     key = root / "id_ed25519"
     keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f", str(key)]
     subprocess.run(keygen, check=True, timeout=30)
@@ -90,6 +93,9 @@ def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) ->
         cert1 = policy_toml(info, alias="cert1", auth="certificate", source_address=[LOOPBACK])
         policy = policy_toml(info) + "\n" + cert1
         bastion = make_bastion(root / "bastion", info, key, policy, start=False)
+        if witness:  # every dispatch then waits for the file witness to fsync its intent
+            (root / "offbox").mkdir()
+            write_bastion_toml(bastion, f'[witness]\nfile = "{root / "offbox" / "w.log"}"\n')
         with unlocked(Vault.open(bastion.home.vault), PASSPHRASE.encode()) as vault:
             ca.init(vault)
             sshd.trust_user_cas(ca.public(vault.list_keys())["trusted_user_ca_keys"])
@@ -145,6 +151,7 @@ def bench(root: Path, n: int, blob_size: int = BLOB_SIZE, clean: bool = True) ->
         sshd.stop()
 
     out: dict[str, Any] = {"n": n, "latency": {k: stats(v) for k, v in lat.items()}}
+    out["witness"] = "file" if witness else None
     out["blob_mib"] = blob_size >> 20
     d, b = out["latency"]["direct"], out["latency"]["bastion"]
     out["ratio_median"] = b["median_ms"] / d["median_ms"]
@@ -204,7 +211,8 @@ def report(r: dict[str, Any]) -> str:
         "cert_direct": "direct ssh (certificate loop)",
         "certificate": "ssh -F bastion.config cert1",
     }
-    lines = [f"latency, n={r['n']}      {'median':>8} {'p90':>8} {'min':>8}  (ms)"]
+    lines = [f"witness: {r['witness'] or 'none'}"]
+    lines.append(f"latency, n={r['n']}      {'median':>8} {'p90':>8} {'min':>8}  (ms)")
     for k, label in labels.items():
         s = r["latency"][k]
         lines.append(f"{label:34} {s['median_ms']:8.1f} {s['p90_ms']:8.1f} {s['min_ms']:8.1f}")
@@ -251,10 +259,17 @@ def main() -> None:
         action="store_true",
         help="let the target's shell read the user's real ~/.bashrc (default: an empty HOME)",
     )
+    ap.add_argument(
+        "--witness",
+        action="store_true",
+        help="give the gateway a file witness: each intent waits for its head's fsync",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bastion-bench-") as tmp:
-        result = bench(Path(tmp), max(args.n, 2), args.blob_mb << 20, not args.target_rc)
+        result = bench(
+            Path(tmp), max(args.n, 2), args.blob_mb << 20, not args.target_rc, args.witness
+        )
     print(json.dumps(result, indent=2) if args.json else report(result))
 
 

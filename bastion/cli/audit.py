@@ -82,13 +82,13 @@ def audit_verify(
     doc = report.as_json()
     ok = report.ok
     if witness_files:
-        from bastion import witness
+        from bastion import witness_check
 
         try:
-            heads = witness.read_entries(witness_files)
+            heads = witness_check.read_entries(witness_files)
         except OSError as exc:
             fail(f"cannot read the witness: {exc}")
-        check = witness.check(directory, identity, heads)
+        check = witness_check.check(directory, identity, heads)
         doc["witness"] = {"files": [str(f) for f in witness_files], **check.as_json()}
         ok = ok and check.ok
 

@@ -97,7 +97,7 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     try:
         vault = Vault.create(home.vault, passphrase)
         vault.generate(journal.IDENTITY_LABEL)  # the journal identity: signs, reads the audit
-        journal.write_identity(home.journal, vault.private_key(journal.IDENTITY_LABEL).pyca_key)
+        journal.create(home.journal, vault.private_key(journal.IDENTITY_LABEL).pyca_key)
         vault.lock()
     except VaultError as exc:
         fail(str(exc))
@@ -322,6 +322,11 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
         )
     if w.get("spool_error"):
         lines.append(f"  spool: {w['spool_error']}")
+    if n := w.get("unwitnessed_dispatches"):
+        lines.append(
+            f"  UNWITNESSED: {n} command(s) sent before a witness confirmed their intent "
+            "(when_full = continue): this journal alone vouches for them"
+        )
     return lines
 
 

@@ -151,6 +151,7 @@ class Gateway:
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,
             certifier=Certifier(self.issuer, self.recorder),
+            witnessed=self.witness.intent if self.witness is not None else None,
         )
         self.foreign = ForeignRecords(self.recorder)
         self.authority = Authority(self.service, self.vault, self.certify, self._unlocked)

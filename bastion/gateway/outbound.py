@@ -227,15 +227,19 @@ class Dispatcher:
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Awaitable[Issued]] | None = None,
+        prepare: Callable[[], Awaitable[None]] | None = None,
     ) -> Result:
         """Connect, exec, relay, classify. `intent` runs once the session
         channel is open and immediately before the exec request is sent, with
         no await in between: it re-decides and journals, and refuses by raising.
+        `prepare` (a witness must hold the intent) runs once the connection is up and
+        before the session channel opens; it refuses by raising too.
         With `certify` (a certificate account) the login is its certificate, on a
         connection of its own that closes after this one command."""
+        prepared = prepare or _nothing
         if certify is not None:
             return await self._run_certified(
-                host, account, command, agent, intent, on_exec, abandon, certify
+                host, account, command, agent, intent, on_exec, abandon, certify, prepared
             )
         key: PoolKey = (
             host.address,
@@ -260,6 +264,7 @@ class Dispatcher:
                     Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
                 )
             try:
+                await prepared()
                 return await self._exec(host, slot.conn, command, agent, intent, on_exec, abandon)
             except _ChannelRefused as exc:
                 why = str(exc)
@@ -280,6 +285,7 @@ class Dispatcher:
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None,
         certify: Callable[[], Awaitable[Issued]],
+        prepare: Callable[[], Awaitable[None]],
     ) -> Result:
         """No pool: the certificate pins one command, so its connection carries only
         that one, and the key and certificate are dropped with it."""
@@ -290,6 +296,7 @@ class Dispatcher:
                 Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
             )
         try:
+            await prepare()
             return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
         except _ChannelRefused as exc:
             return _session_refused(host, str(exc))
@@ -387,6 +394,10 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
     if proc.exit_status is not None:  # None: the channel closed without one
         return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
     return _unknown(host, "the connection to the target ended before it reported an exit status")
+
+
+async def _nothing() -> None:
+    """No step before the session channel opens (no witness to wait for)."""
 
 
 def _session_refused(host: Host, why: str) -> Result:

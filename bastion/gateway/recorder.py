@@ -20,6 +20,7 @@ from bastion.core.cards import Card
 from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
 from bastion.core.gate import Answer, EndReason, Request, SessionGrant
+from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
 from bastion.journal_verify import uncertified_boots
@@ -57,6 +58,9 @@ class Recorder:
         self._unsynced: list[tuple[Any, dict[str, Any]]] = []  # written, sinks not yet told
         self._flush_at: asyncio.TimerHandle | None = None
         self._flushing = False
+        # Records that could not be written (disk full, ...): a request whose story lost
+        # one since it was received is not dispatched (`Service.dispatch`).
+        self.lost = 0
 
     def record(
         self, kind: EventType, meta: dict[str, Any], event: dict[str, Any] | None = None
@@ -68,13 +72,14 @@ class Recorder:
         try:
             self._append(kind, meta, event or {})
         except (OSError, JournalError) as exc:
+            self.lost += 1
             log.error("could not journal %s: %s", kind.value, exc)
 
-    def intent(self, request_id: str, session_id: str) -> None:
-        """The durable intent, on disk with everything before it when this returns:
-        raises if it could not be written."""
+    def intent(self, request_id: str, session_id: str) -> Any:
+        """The durable intent, on disk with everything before it when this returns
+        (the record, whose head the witness must confirm): raises if not written."""
         meta = {"request_id": request_id, "session_id": session_id}
-        self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
+        return self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
 
     def certificate(self, request_id: str, meta: dict[str, Any], event: dict[str, Any]) -> None:
         """A signed certificate, on disk before it is presented to the target: every
@@ -84,17 +89,19 @@ class Recorder:
 
     def _append(
         self, kind: EventType, meta: dict[str, Any], event: dict[str, Any], sync: bool = False
-    ) -> None:
+    ) -> Any:
         stamped = {"t": time.time(), **event}
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             sync = True  # no loop to flush later: durable now
-        self._unsynced.append((self.journal.append(kind, meta, stamped, sync=sync), stamped))
+        record = self.journal.append(kind, meta, stamped, sync=sync)
+        self._unsynced.append((record, stamped))
         if sync:
             self._durable(None)
         else:
             self._schedule()
+        return record
 
     def _schedule(self) -> None:
         if self._flush_at is None and not self._flushing:
@@ -159,7 +166,9 @@ class Recorder:
     # -- one request ---------------------------------------------------------------------
 
     def received(self, peer: Peer, req: Request, conversation: str | None) -> None:
-        self.record(
+        """The request's first record, the only one with its command and subject:
+        raises if it could not be written, and the request is refused."""
+        self._append(
             EventType.REQUEST_RECEIVED,
             {"request_id": req.request_id, "action": req.action},
             {
@@ -226,6 +235,35 @@ class Recorder:
             )
         else:
             self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})
+
+
+class PolicySource(Protocol):
+    def current(self) -> Policy | PolicyError: ...
+
+
+class PolicyWatch:
+    """The policy source, journaling each change of what it says (a new
+    digest, or a new reason it is unavailable) once."""
+
+    def __init__(self, source: PolicySource, recorder: Recorder) -> None:
+        self.source = source
+        self.recorder = recorder
+        self._last: str | None = None
+
+    def current(self) -> Policy | PolicyError:
+        current = self.source.current()
+        seen = str(current) if isinstance(current, PolicyError) else current.digest
+        if seen != self._last:
+            self._last = seen
+            if isinstance(current, PolicyError):
+                log.error("policy unavailable: %s", current)
+                self.recorder.record(EventType.POLICY_FAILED, {}, {"error": str(current)})
+            else:
+                self.recorder.record(EventType.POLICY_LOADED, {"digest": current.digest})
+                log.info(
+                    "policy loaded: %d host(s), digest %s", len(current.hosts), current.digest[:16]
+                )
+        return current
 
 
 class ForeignRecords:

@@ -53,12 +53,13 @@ from bastion.core.gate import (
     rounds_exhausted,
     unanswered,
 )
-from bastion.core.policy import Account, Host, Policy, PolicyError
+from bastion.core.policy import Account, Host
 from bastion.core.subject import Peer, Subject
 from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
-from bastion.gateway.recorder import Recorder
+from bastion.gateway.intent import Intent, NotDispatched, not_journaled
+from bastion.gateway.recorder import PolicyWatch, Recorder
 from bastion.journal import JournalError
 
 log = logging.getLogger("bastion")
@@ -75,10 +76,6 @@ class VaultState(Protocol):
     def unlock(self, passphrase: bytes) -> int: ...
 
 
-class PolicySource(Protocol):
-    def current(self) -> Policy | PolicyError: ...
-
-
 class Outbound(Protocol):
     """What the request path needs of `outbound.Dispatcher`."""
 
@@ -93,34 +90,10 @@ class Outbound(Protocol):
         on_exec: Callable[[Any], None],
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Awaitable[Any]] | None = None,
+        prepare: Callable[[], Awaitable[None]] | None = None,
     ) -> Result: ...
 
     def retire_all(self) -> None: ...
-
-
-class PolicyWatch:
-    """The policy source, journaling each change of what it says (a new
-    digest, or a new reason it is unavailable) once."""
-
-    def __init__(self, source: PolicySource, recorder: Recorder) -> None:
-        self.source = source
-        self.recorder = recorder
-        self._last: str | None = None
-
-    def current(self) -> Policy | PolicyError:
-        current = self.source.current()
-        seen = str(current) if isinstance(current, PolicyError) else current.digest
-        if seen != self._last:
-            self._last = seen
-            if isinstance(current, PolicyError):
-                log.error("policy unavailable: %s", current)
-                self.recorder.record(EventType.POLICY_FAILED, {}, {"error": str(current)})
-            else:
-                self.recorder.record(EventType.POLICY_LOADED, {"digest": current.digest})
-                log.info(
-                    "policy loaded: %d host(s), digest %s", len(current.hosts), current.digest[:16]
-                )
-        return current
 
 
 class Timer(Protocol):
@@ -153,14 +126,6 @@ class Decided:
 
     dispatch: Dispatch
     command_card: str | None
-
-
-class NotDispatched(Exception):
-    """The world changed (or the intent could not be journaled) before the
-    exec request left: nothing was sent."""
-
-    def __init__(self, failure: Failure) -> None:
-        self.failure = failure
 
 
 CONTROL_MASTER = (
@@ -210,6 +175,7 @@ class Service:
         approval_timeout: float = APPROVAL_TIMEOUT,
         on_sessions_changed: Callable[[], None] = lambda: None,
         certifier: Certifier | None = None,
+        witnessed: Callable[[int], Awaitable[str | None]] | None = None,
     ) -> None:
         self.boot_id = boot_id
         self.vault = vault
@@ -229,6 +195,7 @@ class Service:
         self.approval_timeout = approval_timeout
         self.on_sessions_changed = on_sessions_changed
         self.certifier = certifier  # signs certificate accounts' logins; None: none can be
+        self.witnessed = witnessed  # a witness holds the intent's head (`Witness.intent`)
         self.actions = ActionKeys()
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
@@ -286,7 +253,11 @@ class Service:
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
             req = replace(req, subject_key=fresh.key)
-        self.recorder.received(conn.peer, req, conversation)
+        try:
+            self.recorder.received(conn.peer, req, conversation)
+        except (OSError, JournalError) as exc:  # nothing is taken that the journal cannot tell
+            return self._denied(conn, req, not_journaled(req.request_id, exc))
+        lost = self.recorder.lost  # a record of this request lost after this: not sent
         if refusal is None and self.rides_a_master(conn.peer):
             refusal = CONTROL_MASTER
         if refusal is not None:
@@ -294,7 +265,7 @@ class Service:
                 conn, req, Failure(Code.UNSUPPORTED_REQUEST, refusal, req.request_id)
             )
         if (full := self.refusing()) is not None:
-            return self._denied(conn, req, Failure(Code.INTERNAL, full, req.request_id))
+            return self._denied(conn, req, Failure(Code.GATEWAY_BUSY, full, req.request_id))
         if ack_unknown and req.action is not None and self.actions.acknowledge(req.action):
             self.recorder.record(
                 EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
@@ -304,7 +275,7 @@ class Service:
             return self._denied(conn, req, decided)
         try:
             async with self.admission.slot(conn.peer.subject.key):
-                return await self.dispatch(conn, req, conversation, decided, streams)
+                return await self.dispatch(conn, req, conversation, decided, streams, lost)
         except Busy as busy:
             return self._denied(conn, req, busy.failure(req.request_id))
         except NotDispatched as refused:
@@ -389,32 +360,28 @@ class Service:
         conversation: str | None,
         decided: Decided,
         streams: Any,
+        lost: int = 0,
     ) -> Result:
         """Send a decided command: re-ask the gate, spend the grant, journal the
-        intent durably, exec, relay, and record the outcome as it is known."""
+        intent durably (and, with a witness, have it confirmed: `Intent.prepare`), exec,
+        relay, and record the outcome as it is known."""
         flight = InFlight(req.request_id)
         chosen = decided.dispatch
 
-        def intent() -> None:  # runs with no await before the exec request leaves
+        def last_word() -> Failure | None:
             world = self.world(req, conn.peer.subject, conversation, decided.command_card)
-            failure = final_check(req, world, chosen)
-            if failure is not None:
-                raise NotDispatched(failure)
-            if decided.command_card is not None:
-                self.book.consume(decided.command_card)  # single use, before it is sent
-            try:  # the intent is on disk before the exec request leaves, or nothing leaves
-                self.recorder.intent(req.request_id, chosen.session.id)
-            except (OSError, JournalError) as exc:
-                log.error("%s: could not journal the intent: %s", req.request_id, exc)
-                raise NotDispatched(
-                    Failure(
-                        Code.INTERNAL,
-                        "The gateway could not record its intent durably, so it did "
-                        "not send the command. Nothing was sent.",
-                        req.request_id,
-                    )
-                ) from None
-            self.inflight[req.request_id] = flight
+            return final_check(req, world, chosen)
+
+        intent = Intent(
+            req.request_id,
+            chosen.session.id,
+            last_word,
+            (self.book, decided.command_card),
+            lambda: self.inflight.update({req.request_id: flight}),
+            self.recorder,
+            lost,
+            self.witnessed,
+        )
 
         def started(process: Any) -> None:
             flight.process = process
@@ -432,6 +399,7 @@ class Service:
                 started,
                 flight.abandon,
                 certify=certify,
+                prepare=intent.prepare if self.witnessed is not None else None,
             )
         finally:
             self.inflight.pop(req.request_id, None)

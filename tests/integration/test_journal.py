@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
+import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -223,14 +225,36 @@ def test_views_need_the_passphrase_when_no_gateway_runs(busy: Path) -> None:
     assert r.returncode == 1 and "passphrase" in r.stderr
 
 
-def test_a_fresh_gateway_that_never_unlocked_is_not_yet_verifiable(
+def test_a_fresh_gateway_that_never_unlocked_is_not_yet_certified(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
+    """`bastion init` certified the journal's first records; what a gateway that was
+    never unlocked wrote after them is signed by a boot key nobody certified: named,
+    and refused by --strict."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     b.start_daemon()
     b.close()
     r = verify(b.home.root)
-    assert r.returncode == 1 and "no record was ever certified" in r.stdout, r.stdout
+    assert r.returncode == 0 and "which the journal identity never certified" in r.stdout
+    r = cli(b.home.root, "audit", "verify", "--strict")
+    assert r.returncode == 1 and "never certified (--strict)" in r.stdout, r.stdout
+
+
+def test_a_new_journal_verifies_and_an_emptied_one_does_not(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """Every journal starts with records (`bastion init` writes a boot and its
+    certification), so deleting every segment and head.json is not "intact (0
+    records)" -- with --strict or without."""
+    b = make_bastion(tmp_path, sshd, client_key[0], start=False)
+    r = cli(b.home.root, "audit", "verify", "--strict", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["records"] == 2, r.stdout
+    for seg in journal.segments(b.home.journal):
+        seg.unlink()
+    (b.home.journal / "head.json").unlink()
+    for strict in ((), ("--strict",)):
+        r = cli(b.home.root, "audit", "verify", *strict)
+        assert r.returncode == 1 and "emptied" in r.stdout, r.stdout
 
 
 def test_a_torn_tail_is_set_aside_and_journaled_at_the_next_start(
@@ -278,3 +302,129 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j2.certify(key)
     j2.close()
     assert journal_verify.verify(tmp_path, identity).records == 64
+
+
+# -- the journal's last mile (issue 18) -------------------------------------------------------
+
+
+def test_a_whole_record_without_its_newline_is_a_record_not_a_torn_tail(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """A crash can end the journal right after a whole, signed record and before its
+    newline. Such a `dispatch_started` says the command may have run: the request reads
+    `status_unknown` and its action key does not let it run twice. (Before issue 18 it
+    was set aside as a torn tail: `retry_safe`, and the retry ran again.)"""
+    b = make_bastion(tmp_path, sshd, client_key[0])
+    runs = tmp_path / "runs"
+    key = ("-o", "SetEnv=BASTION_ACTION_KEY=deploy-7")
+    try:
+        agent = b.agent()
+        first = agent.start(f"echo ran >> {runs}; sleep 120", ssh_args=key)
+        b.approve_next()
+        wait_for(runs.exists, 30)
+        assert b.daemon is not None
+        b.daemon.send_signal(signal.SIGKILL)
+        b.daemon.wait(10)
+        agent.wait(first)
+        seg = journal.segments(b.home.journal)[-1]
+        data = seg.read_bytes()
+        last = json.loads(data.rstrip(b"\n").rsplit(b"\n", 1)[-1])
+        assert last["type"] == "dispatch_started", last
+        seg.write_bytes(data[:-1])  # the crash came just before the newline
+        rid = last["meta"]["request_id"]
+        state = json.loads(b.cli("request", rid, "--json").stdout)
+        assert state["state"] == "status_unknown", state
+        r = verify(b.home.root)
+        assert "lacks its final newline" in r.stdout and "torn" not in r.stdout, r.stdout
+        b.start_daemon()
+        b.unlock()
+        again = agent.run(f"echo ran >> {runs}", ssh_args=key)
+        assert again.code == "ACTION_OUTCOME_UNKNOWN", again.stderr
+        assert runs.read_text() == "ran\n"  # it ran once
+        assert b.op("pending") == []  # refused before any card
+    finally:
+        b.close()
+    assert seg.read_bytes().endswith(b"\n") and not list(b.home.journal.glob("torn-*"))
+    assert verify(b.home.root).returncode == 0
+
+
+@pytest.fixture
+def small_journal_disk(tmp_path: Path) -> Iterator[Callable[[Path], None]]:
+    """Puts a home's journal on a filesystem of its own, 1 MiB, that a test can fill."""
+    mounted: list[Path] = []
+
+    def mount(jdir: Path) -> None:
+        saved = tmp_path / "journal-before-mount"
+        shutil.copytree(jdir, saved)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(jdir)],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"needs a small filesystem of its own (mount, as root): {r.stderr}")
+        mounted.append(jdir)
+        for f in saved.iterdir():
+            shutil.copy2(f, jdir / f.name)
+
+    yield mount
+    for jdir in mounted:
+        subprocess.run(["umount", "-l", str(jdir)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write zeros until the filesystem refuses (ENOSPC); returns the filler file."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_request_the_full_journal_cannot_hold_is_refused_and_nothing_runs(
+    tmp_path: Path,
+    sshd: SshdInfo,
+    client_key: tuple[Path, str],
+    small_journal_disk: Callable[[Path], None],
+) -> None:
+    """The journal's disk is full when a request arrives: a record of its story (its
+    first, the only one with its command and subject, or one after it, as the last
+    page's slack decides) cannot be written, so it is refused with INTERNAL -- at once,
+    or at the intent once the disk has room again and its card was approved -- and
+    nothing runs. The disk refused part of a write: those bytes are cut off again, so
+    verify says intact, not "edited". (Before issue 18 the request went on with a hole
+    in its story, and ran once the card was approved.)"""
+    b = make_bastion(tmp_path, sshd, client_key[0], start=False)
+    small_journal_disk(b.home.journal)
+    marker = tmp_path / "must-not-run"
+    try:
+        b.start_daemon()
+        b.unlock()
+        filler = fill(b.home.journal)
+        agent = b.agent()  # new: its first command would raise a session card
+        rid = agent.start(f"touch {marker}")
+        wait_for(lambda: agent.finished(rid) or b.op("pending"), 30)
+        if b.op("pending"):  # the old behaviour: make room, and approve what it shows
+            filler.unlink()
+            b.approve_next()
+        refused = agent.wait(rid)
+        assert refused.rc == 70 and refused.code == "INTERNAL", refused.stderr
+        assert refused.error is not None and "journal" in refused.error["message"]
+        assert "Nothing was sent" in refused.error["message"]
+        assert not marker.exists()
+        filler.unlink(missing_ok=True)  # room again: requests are taken, whole
+        rid = agent.start(f"touch {marker}")
+        wait_for(lambda: agent.finished(rid) or b.op("pending"), 30)
+        if b.op("pending"):  # its first request died at receipt, before any card
+            b.approve_next()
+        assert agent.wait(rid).rc == 0 and marker.exists()
+        b.stop_daemon()
+        r = verify(b.home.root)
+        assert r.returncode == 0 and "edited" not in r.stdout, r.stdout
+    finally:
+        b.close()

@@ -9,6 +9,7 @@ stops the gateway."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import os
@@ -23,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bastion import journal
 from bastion.core.events import EventType
 from bastion.courier import AUDIT, HEAD
 from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
 from bastion.devtools.sshd_fixture import SshdInfo
-from bastion.witness import read_entries
+from bastion.witness_check import read_entries
 from tests.harness import (
     PASSPHRASE,
     Agent,
@@ -323,6 +325,107 @@ def test_laundering_after_a_kill_is_caught(
     assert r.returncode == 1 and forged in r.stdout
 
 
+# -- the intent is witnessed before the exec leaves (issue 18) ---------------------------------
+
+
+def cut_to(home: Path, seq: int) -> None:
+    """The attacker's edit, with the gateway's uid: keep the records up to `seq`, make
+    head.json agree, and empty the witness spool (its open requests and its backlog)."""
+    jdir = home / "journal"
+    for seg in journal.segments(jdir):
+        kept = [x for x in seg.read_bytes().split(b"\n")[:-1] if json.loads(x)["seq"] <= seq]
+        seg.write_bytes(b"".join(x + b"\n" for x in kept))
+    fix_anchor(home, "rewritten")
+    spool = home / "witness-spool"
+    shutil.rmtree(spool)
+    spool.mkdir(mode=0o700)
+    (spool / "open.jsonl").write_text("")
+
+
+def killed_mid_command(
+    root: Path, sshd: SshdInfo, key: Path, rsyslog: Rsyslog
+) -> tuple[Bastion, str, list[journal.Record]]:
+    """A witnessed gateway SIGKILLed while an approved command runs on the target: the
+    home, the request id, and the request's records (received first)."""
+    b = witnessed(root, sshd, key, f'[witness]\nsyslog = "{rsyslog.tcp}"\n')
+    marker = root / "it-ran"
+    try:
+        agent = approved_agent(b)
+        witness_caught_up(b)
+        agent.start(f"touch {marker}; sleep 120")
+        wait_for(marker.exists, 30)  # it reached the target
+        assert b.daemon is not None
+        b.daemon.send_signal(signal.SIGKILL)
+        b.daemon.wait(10)
+    finally:
+        b.close()
+    recs = list(journal.records(b.home.journal))
+    rid = [r for r in recs if r.type == "request_received"][-1].meta["request_id"]
+    return b, rid, [r for r in recs if r.meta.get("request_id") == rid]
+
+
+def test_a_command_that_reached_its_target_cannot_be_cut_from_the_journal(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    """The reviewer's attack: SIGKILL the gateway while a command runs, cut the journal
+    back to before it (the last head the witness heard, before issue 18), rewrite
+    head.json, empty the spool, restart and unlock. The witness confirmed the intent's
+    head before the exec left, so `audit verify --strict --witness` names it. Before,
+    heads went out only at endings and certifications, and verify said intact."""
+    b, _, ours = killed_mid_command(tmp_path, sshd, client_key[0], rsyslog)
+    intent = next(r.seq for r in ours if r.type == "dispatch_started")
+    rsyslog.wait_for(lambda _: intent in head_seqs(rsyslog.output))
+    cut_to(b.home.root, max(s for s in head_seqs(rsyslog.output) if s < ours[0].seq))
+    b.start_daemon()
+    try:
+        b.unlock()  # a new lifetime certifies the cut journal: only the witness knows
+    finally:
+        b.close()
+    assert cli(b.home.root, "audit", "verify", "--strict").returncode == 0
+    r = cli(b.home.root, "audit", "verify", "--strict", "--witness", str(rsyslog.output))
+    (said,) = [line for line in r.stdout.splitlines() if line.startswith("witness ")]
+    assert r.returncode == 1 and f"BROKEN: forked: seq {intent} has hash" in said, r.stdout
+
+
+def test_cut_at_the_last_witnessed_head_the_command_is_still_on_record(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
+) -> None:
+    """The same kill, cut back exactly to the last head the witness heard: that head is
+    the intent's, so the command is not gone -- it reads `status_unknown` -- and the
+    journal verifies against the witness. (Before issue 18 the last witnessed head was
+    the previous request's end, and the command vanished.)"""
+    b, rid, ours = killed_mid_command(tmp_path, sshd, client_key[0], rsyslog)
+    intent = next(r.seq for r in ours if r.type == "dispatch_started")
+    rsyslog.wait_for(lambda _: intent in head_seqs(rsyslog.output))
+    cut_to(b.home.root, max(head_seqs(rsyslog.output)))
+    b.start_daemon()
+    try:
+        b.unlock()
+        state = json.loads(b.cli("request", rid, "--json").stdout)
+        assert state["state"] == "status_unknown", state
+    finally:
+        b.close()
+    r = cli(b.home.root, "audit", "verify", "--strict", "--witness", str(rsyslog.output))
+    assert r.returncode == 0, r.stdout
+
+
+def test_a_forged_head_in_the_witness_is_named_forged(busy: dict[str, Path], tmp_path: Path):
+    """A head with a real record's seq and hash, signed by a key that is not its boot's:
+    someone else wrote to the witness. (A false alarm either way; now it says which.)"""
+    forged_log = tmp_path / "witness.log"
+    shutil.copy(busy["file"], forged_log)
+    head = read_entries([forged_log], HEAD)[0]
+    digest = bytes.fromhex(head["hash"])
+    fake = base64.b64encode(Ed25519PrivateKey.generate().sign(digest)).decode()
+    with open(forged_log, "a") as f:
+        f.write(f"{HEAD} {json.dumps({**head, 'sig': fake})}\n")
+    assert verify(busy["home"], busy["file"]).returncode == 0  # the real witness: intact
+    r = verify(busy["home"], forged_log)
+    assert (
+        r.returncode == 1 and f"forged: the witness holds a head for seq {head['seq']}" in r.stdout
+    )
+
+
 # -- the syslog stream ------------------------------------------------------------------------
 
 
@@ -369,11 +472,15 @@ def test_a_collector_outage_costs_nothing(
         run_all(agent, ["true"] * 20)  # when_full = "continue": the requests go on
         wait_for(lambda: b.op("status")["witness"]["targets"]["syslog"]["failing"])
         status = json.loads(b.cli("status", "--json").stdout)["witness"]
-        assert status["waiting"] >= 40 and status["oldest_age"] > 0  # a head and a summary each
+        # Two heads (the intent, the ending) and a summary each.
+        assert status["waiting"] >= 60 and status["oldest_age"] > 0
+        # Sent before a witness held their intent: counted, and said at 2 a.m.
+        assert status["unwitnessed_dispatches"] == 20
         assert status["targets"]["syslog"]["last_error"].startswith("cannot reach tcp://")
         assert status["refusing"] is None
         human = b.cli("status").stdout  # what the operator reads at 2 a.m.
         assert "witness:   ok: " in human and "FAILING: cannot reach tcp://" in human, human
+        assert "UNWITNESSED: 20 command(s)" in human, human
         rsyslog.start()  # the same port
         caught_up = witness_caught_up(b, timeout=60)
         assert caught_up["targets"]["syslog"]["failing"] is False
@@ -388,40 +495,52 @@ def test_a_collector_outage_costs_nothing(
     assert set(heads.values()) == {1}
 
 
-def test_a_full_buffer_set_to_refuse_refuses_with_internal_until_drained(
+def test_when_full_refuse_sends_nothing_the_witness_cannot_hold(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], rsyslog: Rsyslog
 ) -> None:
+    """`when_full = "refuse"`: a command whose intent no witness confirmed is not sent
+    (GATEWAY_BUSY: nothing was sent, the same request later may run), and past
+    `buffer_max` new requests are refused before the gate; both end once the collector
+    is back."""
     toml = f'[witness]\nsyslog = "{rsyslog.tcp}"\nbuffer_max = 4\nwhen_full = "refuse"\n'
     b = witnessed(tmp_path, sshd, client_key[0], toml)
+    marker = tmp_path / "never-sent"
     try:
         agent = approved_agent(b)
         witness_caught_up(b)
         rsyslog.stop()
-        ran = 0  # a head and a summary each: past the bound of 4 after the third
-
-        def told() -> dict[str, Any]:
-            """`status` once the witness has been told of every record written."""
-            wait_for(lambda: (j := b.op("status")["journal"])["synced_seq"] == j["seq"])
-            return b.op("status")["witness"]
-
-        while told()["refusing"] is None:
-            assert agent.run("true").rc == 0  # below the bound, work goes on
-            ran += 1
-            assert ran <= 4, told()
-        assert ran >= 2
-        refused = agent.run("echo never-sent")
-        assert refused.code == "INTERNAL" and refused.stdout == b"", refused.stderr
-        message = refused.error["message"] if refused.error else ""
-        assert "audit witness" in message and "retry later" in message, message
+        refused = agent.run(f"touch {marker}")
+        assert refused.code == "GATEWAY_BUSY" and refused.stdout == b"", refused.stderr
+        assert refused.error is not None and refused.error["retryable"] is True
+        assert "did not confirm that it holds this command's intent" in refused.error["message"]
+        assert not marker.exists()
+        state = json.loads(b.cli("request", refused.error["request_id"], "--json").stdout)
+        assert state["state"] == "retry_safe", state
+        codes = []  # denials fill the spool too, until new work is refused before the gate
+        while "GATEWAY_BUSY" not in codes:
+            codes.append(agent.run("true", host="nowhere").code)
+            assert len(codes) <= 8 and set(codes) <= {"UNKNOWN_HOST", "GATEWAY_BUSY"}, codes
+        before_gate = agent.run(f"touch {marker}")
+        assert before_gate.code == "GATEWAY_BUSY" and before_gate.error is not None
+        assert "audit witness" in before_gate.error["message"]
         assert "REFUSING NEW WORK" in b.cli("status").stdout
         rsyslog.start()
         witness_caught_up(b, timeout=60)
-        assert agent.run("true").rc == 0  # caught up: work is taken again
+        assert agent.run(f"touch {marker}").rc == 0  # caught up: work is taken again
+        assert marker.exists()
     finally:
         b.close()
     r = cli(b.home.root, "audit", "activity", "--json", "--passphrase-stdin", stdin=PASSPHRASE)
-    (row,) = [row for row in json.loads(r.stdout) if row["command"] == "echo never-sent"]
-    assert (row["outcome"], row["code"], row["session_id"]) == ("denied", "INTERNAL", None)
+    rows = {row["request_id"]: row for row in json.loads(r.stdout)}
+    at_intent = rows[refused.error["request_id"]]  # its intent is on record, then its end
+    assert (at_intent["outcome"], at_intent["code"]) == ("denied", "GATEWAY_BUSY")
+    assert at_intent["session_id"] is not None
+    early = rows[before_gate.error["request_id"]]  # refused before the gate: no intent
+    assert (early["outcome"], early["code"], early["session_id"]) == (
+        "denied",
+        "GATEWAY_BUSY",
+        None,
+    )
 
 
 # -- bastion.toml -----------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class FakeJournal:
 
     records: list[Rec] = field(default_factory=list)
     fail_intents: bool = False
+    fail: set[EventType] = field(default_factory=set)  # kinds the disk refuses (disk full)
 
     def writer(self, boot: str) -> JournalHandle:
         return JournalHandle(self, boot)
@@ -138,6 +139,8 @@ class JournalHandle:
             return None
         if kind is EventType.DISPATCH_STARTED and self.journal.fail_intents:
             raise JournalError("disk full")
+        if kind in self.journal.fail:
+            raise JournalError("could not write to the journal: No space left on device")
         rec = Rec(len(self.journal.records) + 1, self.boot, kind.value, dict(meta), dict(event))
         self.journal.records.append(rec)
         return rec
@@ -203,6 +206,7 @@ class FakeOutbound:
         on_exec: Callable[[Any], None],
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Any] | None = None,
+        prepare: Callable[[], Any] | None = None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         call = Call(
@@ -215,6 +219,8 @@ class FakeOutbound:
             await call.connected
         except OSError:
             return Result(Outcome.NOT_STARTED, code=Code.UNREACHABLE, message="unreachable")
+        if prepare is not None:
+            await prepare()  # a witness holds the intent, or NotDispatched: nothing leaves
         intent()  # raises NotDispatched: nothing leaves
         call.sent = True
         self.sent.append(call)

@@ -18,7 +18,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "bastion"
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 # Where a module may be bigger, and why.
-LARGE_MODULES: dict[str, str] = {}
+LARGE_MODULES: dict[str, str] = {
+    # The format and its one writer: records, the chain, reading lines back with their
+    # damage told apart (torn, unterminated, a torn write), appending whole lines only.
+    # Its readers and its writer share the private format helpers; split them and each
+    # would import the other's `_private` names.
+    "bastion/journal.py": "the journal's format, read and written in one place",
+}
 # The core may use these and nothing else: no asyncio, asyncssh, psutil, sockets or files.
 CORE_ALLOWED = {
     "__future__",

@@ -254,6 +254,85 @@ async def test_no_durable_intent_means_nothing_is_sent(rig: Rig) -> None:
     assert rig.outbound.sent == []
 
 
+async def test_a_request_whose_first_record_cannot_be_written_is_refused_at_once(
+    rig: Rig,
+) -> None:
+    """`request_received` is the only record with the command and the subject: a
+    request the journal cannot hold is not taken (no card, no dispatch)."""
+    rig.journal.fail = {E.REQUEST_RECEIVED}
+    result = await rig.send(rig.life.connect(rig.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.INTERNAL
+    assert "could not write this request to its journal" in result.message
+    assert rig.life.book.pending() == [] and rig.outbound.calls == []
+
+
+async def test_a_record_lost_after_receipt_keeps_the_command_from_being_sent(rig: Rig) -> None:
+    """A full disk costs the card's record; the disk has room again by the time the
+    card is approved; the command is still not sent: its story has a hole."""
+    rig.journal.fail = {E.CARD_RAISED}
+    task = rig.send(rig.life.connect(rig.tree.spawn()))
+    card = await rig.card()
+    rig.journal.fail = set()
+    rig.life.authority.answer(card.id, True)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.INTERNAL
+    assert "could not journal every record of this request" in result.message
+    assert rig.outbound.sent == []
+    assert "dispatch_started" not in rig.journal.for_request(card.request_id)
+
+
+class Confirm:
+    """A witness that confirms the intent's head when the test says so."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+    async def __call__(self, seq: int) -> str | None:
+        self.asked.append(seq)
+        return await self.answer
+
+
+async def test_with_a_witness_the_intent_is_confirmed_before_the_exec_leaves(rig: Rig) -> None:
+    witness = rig.life.service.witnessed = Confirm()
+    task = rig.send(rig.life.connect(rig.tree.spawn()))
+    card = await rig.approve()
+    await idle()
+    intent = [
+        r for r in rig.journal.of(E.DISPATCH_STARTED) if r.meta["request_id"] == card.request_id
+    ]
+    assert [r.seq for r in intent] == witness.asked  # its head is what the witness must hold
+    assert rig.outbound.sent == []  # not before the witness confirmed it
+    witness.answer.set_result(None)
+    assert isinstance(await task, Result) and len(rig.outbound.sent) == 1
+    assert rig.journal.for_request(card.request_id).count("dispatch_started") == 1
+
+
+async def test_a_lock_while_the_witness_confirms_sends_nothing(rig: Rig) -> None:
+    witness = rig.life.service.witnessed = Confirm()
+    task = rig.send(rig.life.connect(rig.tree.spawn()))
+    card = await rig.approve()
+    await idle()
+    assert witness.asked
+    await rig.life.authority.lock(terminate=False)
+    witness.answer.set_result(None)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert rig.outbound.sent == []
+    story = rig.journal.for_request(card.request_id)
+    assert story[-2:] == ["dispatch_started", "denied"]  # on record, and said not sent
+
+
+async def test_a_witness_that_cannot_confirm_refuses_before_the_exec(rig: Rig) -> None:
+    witness = rig.life.service.witnessed = Confirm()
+    witness.answer.set_result("the audit witness did not confirm ...; send it again later")
+    task = rig.send(rig.life.connect(rig.tree.spawn()))
+    await rig.approve()
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+    assert result.code.retryable and rig.outbound.sent == []
+
+
 async def test_an_unknown_outcome_blocks_its_action_until_acknowledged() -> None:
     r = Rig(auto=False)
     await r.unlock()
@@ -394,8 +473,9 @@ async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gat
     full = "the audit witness is 9 entries behind; retry later"
     rig.life.service.refusing = lambda: full
     result = await rig.send(rig.life.connect(rig.tree.spawn()))
-    assert isinstance(result, Failure) and result.code is Code.INTERNAL
-    assert result.message == full and rig.life.book.pending() == []
+    # Not now, and nothing was sent: the same request later may run (retryable).
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+    assert result.code.retryable and result.message == full and rig.life.book.pending() == []
     assert rig.outbound.calls == [] and rig.outbound.sent == []
     rig.life.service.refusing = lambda: None  # caught up: work is taken again
     waiting = rig.send(rig.life.connect(rig.tree.spawn()))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import courier, journal, witness
+from bastion import courier, journal, witness, witness_check
 from bastion.config import SyslogTarget, WitnessConfig
 from bastion.core.events import EventType, activity
 from bastion.courier import AUDIT, HEAD, Spool
@@ -38,7 +38,7 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def heads_in(path: Path) -> list[dict[str, Any]]:
-    return witness.read_entries([path]) if path.exists() else []
+    return witness_check.read_entries([path]) if path.exists() else []
 
 
 class Journaled:
@@ -148,7 +148,7 @@ def test_heads_reach_the_file_once_across_restarts_and_outages(tmp_path: Path) -
     j.certify()
     wait_until(lambda: w.health()["targets"]["file"]["failing"])
     h = w.health()
-    assert h["waiting"] == 2 and h["oldest_age"] is not None
+    assert h["waiting"] == 3 and h["oldest_age"] is not None  # the intent's head too
     assert "No such file or directory" in h["targets"]["file"]["last_error"]
     w.close(timeout=0.5)
     target.parent.mkdir()
@@ -160,7 +160,8 @@ def test_heads_reach_the_file_once_across_restarts_and_outages(tmp_path: Path) -
     w2.close()
     heads = heads_in(target)
     records = {r.seq: r for r in journal.records(tmp_path / "journal")}
-    assert [h["type"] for h in heads] == ["completed", "certify", "completed"]
+    intent, done = "dispatch_started", "completed"
+    assert [h["type"] for h in heads] == [intent, done, "certify", intent, done]
     assert all(h["hash"] == records[h["seq"]].hash for h in heads)
     assert all(h["sig"] == records[h["seq"]].sig and h["journal"] == "jid" for h in heads)
 
@@ -179,9 +180,9 @@ def test_a_witness_directory_gets_one_file_that_verify_reads_back(tmp_path: Path
     wait_until(lambda: w.health()["waiting"] == 0)
     w.close()
     assert [p.name for p in offbox.iterdir()] == [courier.WITNESS_FILE]
-    heads = witness.read_entries([offbox])  # `audit verify --witness DIR`
-    assert [h["type"] for h in heads] == ["completed", "certify"]
-    assert witness.check(tmp_path / "journal", j.identity, heads).ok
+    heads = witness_check.read_entries([offbox])  # `audit verify --witness DIR`
+    assert [h["type"] for h in heads] == ["dispatch_started", "completed", "certify"]
+    assert witness_check.check(tmp_path / "journal", j.identity, heads).ok
 
 
 def test_every_n_records_and_every_certification(tmp_path: Path) -> None:
@@ -189,11 +190,12 @@ def test_every_n_records_and_every_certification(tmp_path: Path) -> None:
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
     for i in range(3):
-        j.request(f"req_{i}")  # 9 records: heads at the 4th and 8th
+        j.request(f"req_{i}")  # 9 records after the boot
     j.certify()
     wait_until(lambda: w.health()["waiting"] == 0)
     w.close()
-    assert [h["seq"] for h in heads_in(tmp_path / "w.log")] == [5, 9, 11]  # after the boot
+    # Every intent (seq 3, 6, 9) is a head whatever `every` says, and counts as one.
+    assert [h["seq"] for h in heads_in(tmp_path / "w.log")] == [3, 6, 9, 11]
 
 
 # -- syslog over TCP, to a collector that goes away -------------------------------------------
@@ -252,15 +254,16 @@ def test_syslog_messages_are_rfc5424_with_octet_counting(tmp_path: Path, collect
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
     j.request("req_1", command="echo secret-in-command")
-    wait_until(lambda: len(collector.messages) == 2)
+    wait_until(lambda: len(collector.messages) == 3)
     w.close()
-    head, summary = (m.decode() for m in collector.messages)
+    intent, head, summary = (m.decode() for m in collector.messages)
+    assert '"type":"dispatch_started"' in intent and '"type":"completed"' in head
     assert (
         head.startswith("<85>1 ") and " bastion " in head and " witness - bastion-witness {" in head
     )
     assert summary.startswith("<86>1 ") and " audit - bastion-audit {" in summary
     assert "secret-in-command" not in summary
-    kind, row = witness.parse_line(summary)  # type: ignore[misc]
+    kind, row = witness_check.parse_line(summary)  # type: ignore[misc]
     assert kind == AUDIT and row["request_id"] == "req_1" and row["command"] is None
     assert row["outcome"] == "completed" and row["exit_status"] == 0 and row["session_id"] == "s1"
 
@@ -273,19 +276,19 @@ def test_a_collector_that_comes_back_gets_the_backlog_once(tmp_path: Path) -> No
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
     j.request("req_0")
-    wait_until(lambda: len(first.messages) == 2)
+    wait_until(lambda: len(first.messages) == 3)
     first.stop()
     for i in range(1, 6):
         j.request(f"req_{i}")
     wait_until(lambda: w.health()["targets"]["syslog"]["failing"])
-    assert w.health()["waiting"] == 10
+    assert w.health()["waiting"] == 15  # two heads and a summary each
     second = Collector(port)
     try:
         wait_until(lambda: w.health()["waiting"] == 0)
         w.close()
     finally:
         second.stop()
-    rows = [witness.parse_line(m.decode()) for m in first.messages + second.messages]
+    rows = [witness_check.parse_line(m.decode()) for m in first.messages + second.messages]
     ids = [doc["request_id"] for kind, doc in rows if kind == AUDIT]  # type: ignore[misc]
     assert ids == [f"req_{i}" for i in range(6)]
 
@@ -308,7 +311,7 @@ def test_a_summary_is_the_activity_row(tmp_path: Path) -> None:
             WitnessConfig(syslog=target), tmp_path / f"s{with_commands}", "j", with_commands
         )
         w.spool.open()  # no couriers: the rows stay in the spool for us to read
-        w._load_open()
+        w._open.load()
         j = Journaled(tmp_path / f"journal{with_commands}", w.sink)
         j.request("req_a", command="uptime", exit_status=3)
         j.add(EventType.REQUEST_RECEIVED, {"request_id": "req_b"}, {"command": "x", "host": "h"})
@@ -324,7 +327,7 @@ def test_a_request_closed_by_the_next_lifetime_keeps_its_summary(tmp_path: Path)
     target = SyslogTarget("unix", str(tmp_path / "nobody-listens"))
     w = witness.Witness(WitnessConfig(syslog=target), tmp_path / "s", "j")
     w.spool.open()
-    w._load_open()
+    w._open.load()
     j = Journaled(tmp_path / "journal", w.sink)
     j.add(EventType.REQUEST_RECEIVED, {"request_id": "req_x"}, {"host": "h", "command": "c"})
     j.add(EventType.DISPATCH_STARTED, {"request_id": "req_x", "session_id": "s9"})
@@ -332,7 +335,7 @@ def test_a_request_closed_by_the_next_lifetime_keeps_its_summary(tmp_path: Path)
     w.spool.close()
     w2 = witness.Witness(WitnessConfig(syslog=target), tmp_path / "s", "j")
     w2.spool.open()
-    w2._load_open()
+    w2._open.load()
     assert w2.health()["open_requests"] == 1
     j.sink = w2.sink
     j.add(EventType.UNKNOWN, {"request_id": "req_x", "code": "STATUS_UNKNOWN", "cause": "c"})
@@ -347,7 +350,8 @@ def test_a_request_closed_by_the_next_lifetime_keeps_its_summary(tmp_path: Path)
 
 @pytest.mark.parametrize("when_full", ["continue", "refuse"])
 def test_past_buffer_max(tmp_path: Path, when_full: str, caplog: pytest.LogCaptureFixture):
-    config = WitnessConfig(file=tmp_path / "missing" / "w.log", buffer_max=3, when_full=when_full)
+    # Two heads per request: its intent and its ending.
+    config = WitnessConfig(file=tmp_path / "missing" / "w.log", buffer_max=6, when_full=when_full)
     w = witness.Witness(config, tmp_path / "s", "j")
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
@@ -363,7 +367,7 @@ def test_past_buffer_max(tmp_path: Path, when_full: str, caplog: pytest.LogCaptu
         if when_full == "refuse":
             wait_until(lambda: w.health()["targets"]["file"]["failing"])
             message = w.refusing()
-            assert message and "5 entries behind" in message and "retry later" in message
+            assert message and "10 entries behind" in message and "retry later" in message
             assert str(tmp_path) not in message  # the witness's path stays the operator's
             assert "No such file" in w.health()["targets"]["file"]["last_error"]
         else:
@@ -387,14 +391,17 @@ def test_lines_are_found_by_their_marker() -> None:
         f"bastion-witness {body}",  # the witness file
         f"<85>1 2024-06-11T10:00:00Z vm bastion 12 witness - bastion-witness {body} trailing",
     ):
-        assert witness.parse_line(line) == (HEAD, doc), line
-    assert witness.parse_line("vm sshd[1]: Accepted publickey") is None
-    assert witness.parse_line("bastion-witness {torn") is None
-    assert witness.parse_line("bastion-witness [1, 2]") is None
+        assert witness_check.parse_line(line) == (HEAD, doc), line
+    assert witness_check.parse_line("vm sshd[1]: Accepted publickey") is None
+    assert witness_check.parse_line("bastion-witness {torn") is None
+    assert witness_check.parse_line("bastion-witness [1, 2]") is None
     # An agent's command quoting a marker, exported with commands, is still an audit row.
     fake = 'bastion-witness {"journal": "j", "seq": 99, "hash": "00"}'
     row = json.dumps({"request_id": "r", "command": fake})
-    assert witness.parse_line(f"vm bastion[1] bastion-audit {row}") == (AUDIT, json.loads(row))
+    assert witness_check.parse_line(f"vm bastion[1] bastion-audit {row}") == (
+        AUDIT,
+        json.loads(row),
+    )
 
 
 # -- the check ---------------------------------------------------------------------------------
@@ -419,11 +426,13 @@ def head_of(identity: journal.Identity, r: journal.Record, **change: Any) -> dic
 
 def test_the_check_passes_when_every_witnessed_head_is_held(chain) -> None:
     directory, identity, recs = chain
-    c = witness.check(directory, identity, [head_of(identity, recs[3]), head_of(identity, recs[7])])
+    c = witness_check.check(
+        directory, identity, [head_of(identity, recs[3]), head_of(identity, recs[7])]
+    )
     assert c.ok and c.heads == 2 and c.last == 8
     assert c.notes == ["2 record(s) after seq 8 are not witnessed yet"]
     other = {"journal": "someone-else", "seq": 999, "hash": "00"}
-    assert witness.check(directory, identity, [other, head_of(identity, recs[9])]).ok
+    assert witness_check.check(directory, identity, [other, head_of(identity, recs[9])]).ok
 
 
 def test_the_check_names_a_truncation(chain) -> None:
@@ -432,7 +441,7 @@ def test_the_check_names_a_truncation(chain) -> None:
     seg = journal.segments(directory)[0]
     seg.write_bytes(b"".join(r.line() for r in recs[:6]))
     (directory / "head.json").unlink()
-    c = witness.check(directory, identity, heads)
+    c = witness_check.check(directory, identity, heads)
     assert not c.ok and c.problem.startswith("truncated: the witness saw seq 10")
     assert "ends at seq 6" in c.problem
 
@@ -440,16 +449,16 @@ def test_the_check_names_a_truncation(chain) -> None:
 def test_the_check_names_a_fork(chain) -> None:
     directory, identity, recs = chain
     heads = [head_of(identity, recs[2]), head_of(identity, recs[5], hash="f" * 64)]
-    c = witness.check(directory, identity, heads)
+    c = witness_check.check(directory, identity, heads)
     assert not c.ok and c.problem.startswith("forked: seq 6 has hash")
     both = [head_of(identity, recs[5]), head_of(identity, recs[5], hash="f" * 64)]
-    c = witness.check(directory, identity, both)
+    c = witness_check.check(directory, identity, both)
     assert not c.ok and "seq 6: the witness saw two hashes" in c.problem
 
 
 def test_nothing_witnessed_is_not_proof(chain) -> None:
     directory, identity, _ = chain
-    c = witness.check(directory, identity, [])
+    c = witness_check.check(directory, identity, [])
     assert not c.ok and "no witnessed head of this journal" in c.problem
-    c = witness.check(directory, identity, [{"journal": "other", "seq": 1, "hash": "00"}])
+    c = witness_check.check(directory, identity, [{"journal": "other", "seq": 1, "hash": "00"}])
     assert not c.ok and "1 head(s) of other journals" in c.problem
