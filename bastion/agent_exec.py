@@ -24,9 +24,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from bastion.proxy import MAX_HEADER, PROTOCOL
+from bastion.core.contract import Code, Exit
+from bastion.proxy import MAX_HEADER, PROTOCOL, connect, reason
 
 # What OpenSSH takes as a destination and a login name, and nothing that ssh could
 # read as an option (a leading "-") or that needs quoting in SetEnv.
@@ -36,15 +37,51 @@ ACTION_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,199}")
 REPLY_LIMIT = 1 << 20  # a query's answer (the hosts and their rules)
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an ssh past its time
 ASK_TIMEOUT = 10.0
-GATEWAY_EXITS = frozenset({69, 70, 76, 77})  # the gateway ended it: stderr's last line
+GATEWAY_EXITS = frozenset(int(e) for e in Exit)  # the gateway ended it: stderr's last line
+SHOWN = 80  # characters of a refused value quoted back
+UNSENT = "Nothing was sent to the target."
 
 
 class AgentError(Exception):
-    """Bad input, or the gateway could not be asked; the message says which."""
+    """The gateway could not be asked, or its answer is unusable; the message says
+    which. `code` is what the agent is told (bastion.core.contract)."""
+
+    code: ClassVar[Code] = Code.INTERNAL
+
+
+class Unsupported(AgentError):
+    """Input refused before anything is sent: the message says what is wrong and
+    what to send instead. The model's mistake, not a fault of the gateway."""
+
+    code = Code.UNSUPPORTED_REQUEST
+
+
+class Busy(AgentError):
+    """The gateway did not answer in time (overloaded or stuck): nothing was sent,
+    and the same call a little later may work."""
+
+    code = Code.GATEWAY_BUSY
 
 
 class Refused(AgentError):
     """The gateway answered, and the answer was no (an unknown request id, ...)."""
+
+
+def shown(value: str) -> str:
+    """A refused value quoted back to the model, bounded."""
+    return repr(value[:SHOWN]) + ("..." if len(value) > SHOWN else "")
+
+
+def name_problem(field: str, value: str, pattern: re.Pattern[str], what: str) -> str | None:
+    """Why `value` cannot be given to ssh as `field` (None: it can). A leading "-"
+    is named for what it is: ssh would read it as an option of its own."""
+    if pattern.fullmatch(value):
+        return None
+    if value.startswith("-"):
+        why = "begins with '-', which ssh would read as an option of its own"
+    else:
+        why = f"is not {what} (letters, digits, '.', '_' and '-' only)"
+    return f"`{field}` {shown(value)} {why}: send {what} as ssh_hosts lists it. {UNSENT}"
 
 
 @dataclass(frozen=True)
@@ -60,20 +97,28 @@ class Command:
     ack_unknown: bool = False
 
     def checked(self) -> Command:
-        if not NAME.fullmatch(self.host):
-            raise AgentError(f"host {self.host!r} is not a host alias (see ssh_hosts)")
-        if self.user is not None and not USER.fullmatch(self.user):
-            raise AgentError(f"user {self.user!r} is not an account name (see ssh_hosts)")
+        """This command, or Unsupported saying what is wrong with it."""
+        problem = name_problem("host", self.host, NAME, "a host alias") or (
+            None if self.user is None else name_problem("user", self.user, USER, "an account")
+        )
+        if problem:
+            raise Unsupported(problem)
         if self.action_key is not None and not ACTION_KEY.fullmatch(self.action_key):
-            raise AgentError(
-                "action_key must be 1-200 characters of letters, digits and . _ : / + = -"
+            raise Unsupported(
+                f"`action_key` {shown(self.action_key)} is not an action key: send 1-200 "
+                f"letters, digits and . _ : / + = -, starting with a letter or digit. {UNSENT}"
             )
         if not self.command.strip():
-            raise AgentError("command is empty")
+            raise Unsupported(f"`command` is empty: send the command to run. {UNSENT}")
         if "\0" in self.command:
-            raise AgentError("command contains a NUL byte")
+            raise Unsupported(
+                "`command` contains a NUL byte, which ssh cannot send: send text without "
+                f"one. {UNSENT}"
+            )
         if not 0 < self.timeout_s <= 86400:
-            raise AgentError("timeout_s must be more than 0 and at most 86400")
+            raise Unsupported(
+                f"`timeout_s` must be more than 0 and at most 86400 seconds. {UNSENT}"
+            )
         return self
 
 
@@ -164,11 +209,16 @@ def gateway_error(stderr: bytes, exit_status: int | None) -> dict[str, Any] | No
 
 
 def ssh_argv(config: Path, cmd: Command, action_key: str) -> list[str]:
+    """ssh's argv for `cmd`: options, then `--`, the destination and the command.
+
+    ssh parses options again after the destination unless `--` ended them (ssh.c,
+    `opt_terminated`): without it a command `-oProxyCommand=...` or `-F FILE` would
+    run a local command. `-T`: no pty, so no escape character reads `stdin` either."""
     env = f"BASTION_ACTION_KEY={action_key}" + (" BASTION_ACK_UNKNOWN=1" if cmd.ack_unknown else "")
-    argv = ["ssh", "-F", str(config), "-o", f"SetEnv={env}"]
+    argv = ["ssh", "-F", str(config), "-T", "-o", f"SetEnv={env}"]
     if cmd.user is not None:
         argv += ["-l", cmd.user]
-    return [*argv, cmd.host, cmd.command]
+    return [*argv, "--", cmd.host, cmd.command]
 
 
 def ssh_env() -> dict[str, str]:
@@ -262,9 +312,8 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
     if len(header) > MAX_HEADER:
         raise AgentError("the question is too long")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(ASK_TIMEOUT)
         try:
-            sock.connect(str(sock_path))
+            connect(sock, str(sock_path), ASK_TIMEOUT)
             sock.sendall(header)
             data = bytearray()
             while not data.endswith(b"\n") and len(data) <= limit:
@@ -277,9 +326,16 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
                 f"The bastion gateway is not running (no socket at {sock_path}); "
                 "ask the operator to start `bastion daemon`."
             ) from None
+        except (TimeoutError, BlockingIOError):  # no answer, or a queue full as long (EAGAIN)
+            raise Busy(
+                f"The bastion gateway at {sock_path} did not answer within {ASK_TIMEOUT:g} s "
+                f"(it is overloaded or stuck). {UNSENT} Retry in a moment, and if it persists "
+                "ask the operator to check `bastion status`."
+            ) from None
         except OSError as exc:
             raise AgentError(
-                f"Could not talk to the bastion gateway at {sock_path}: {exc}."
+                f"Could not talk to the bastion gateway at {sock_path}: {reason(exc)}; "
+                "ask the operator to check `bastion status`."
             ) from None
     reply = data.decode("utf-8", "replace").strip()
     if not reply.startswith("OK"):
@@ -289,9 +345,16 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
 
 def ask(sock_path: Path, fields: dict[str, str]) -> dict[str, Any]:
     """A query (`hosts`, `request`) and its JSON answer."""
-    answer = json.loads(_converse(sock_path, {"query": fields.pop("query"), **fields}, REPLY_LIMIT))
+    reply = _converse(sock_path, {"query": fields.pop("query"), **fields}, REPLY_LIMIT)
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        answer = None
     if not isinstance(answer, dict):
-        raise AgentError("the gateway's answer is not an object")
+        raise AgentError(
+            "The bastion gateway's answer is not a JSON object; ask the operator to check "
+            "`bastion status`."
+        )
     return answer
 
 

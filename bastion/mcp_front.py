@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp_types import CallToolResult, TextContent
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from bastion import agent_exec
-from bastion.agent_exec import AgentError, Command, Ran, Refused
+from bastion.agent_exec import UNSENT, AgentError, Command, Ran, Refused, Unsupported
+from bastion.core.contract import Code
+
+log = logging.getLogger(__name__)
 
 SETTLE = 1.0  # seconds to wait, after a timeout, for the gateway to record how far it got
 INSTRUCTIONS = """\
@@ -37,7 +42,9 @@ ask for it, each command), and every command is journalled. Call ssh_hosts first
 to see which hosts and accounts you may use and what their rules allow. When a
 result is an error, read its `code`: STATUS_UNKNOWN means the command may or may
 not have run -- call request_status and inspect the target before trying again;
-`retryable: true` means nothing was sent and the same call may be repeated.
+`retryable: true` means nothing was sent and the same call may be repeated;
+UNSUPPORTED_REQUEST means this call was refused before anything ran: change the
+argument its message names.
 """
 
 
@@ -64,9 +71,9 @@ class Front:
             if entry.get("host", "").lower() == host.lower():
                 accounts = [a["user"] for a in entry.get("accounts") or []]
                 if len(accounts) > 1:
-                    raise AgentError(
+                    raise Unsupported(
                         f"host {host!r} has several accounts ({', '.join(accounts)}): "
-                        "name one with `user`"
+                        f"name one with `user`. {UNSENT}"
                     )
                 return accounts[0] if accounts else None
         return None
@@ -82,10 +89,49 @@ def error_result(error: dict[str, Any], extra: dict[str, Any] | None = None) -> 
     )
 
 
-def internal(message: str) -> CallToolResult:
+def failure(code: Code, message: str) -> CallToolResult:
+    """An error of this server's own (no request behind it), in the gateway's shape."""
     return error_result(
-        {"code": "INTERNAL", "message": message, "request_id": None, "retryable": False}
+        {"code": code.value, "message": message, "request_id": None, "retryable": code.retryable}
     )
+
+
+def internal(message: str) -> CallToolResult:
+    return failure(Code.INTERNAL, message)
+
+
+def refused(exc: AgentError) -> CallToolResult:
+    """An AgentError as the agent is told it: its code, its sentence."""
+    return failure(exc.code, str(exc))
+
+
+class Server(MCPServer):
+    """The SDK's server, whose own refusals (arguments that fail the tools' schema, an
+    unknown tool) and crashes come in the same error shape as the gateway's."""
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context | None = None
+    ) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError:
+            log.exception("tool %r failed", name)
+            return internal(
+                f"bastion's MCP server failed on this {name} call (its log says why). "
+                "If it had started ssh, the gateway records the outcome: do not repeat a "
+                "command that changes things before the operator has checked it."
+            )
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValidationError):
+                wrong = "; ".join(
+                    f"`{'.'.join(str(p) for p in e['loc'])}`: {e['msg']}" for e in cause.errors()
+                )
+                message = f"{wrong}. Send the arguments as the {name} tool's schema says."
+            else:  # an unknown tool
+                tools = ", ".join(sorted(t.name for t in await self.list_tools()))
+                message = f"{str(exc).rstrip('.')}. The tools are {tools}."
+            return failure(Code.UNSUPPORTED_REQUEST, f"{message} {UNSENT}")
 
 
 def outputs(ran: Ran) -> dict[str, Any]:
@@ -116,13 +162,20 @@ async def timed_out(front: Front, cmd: Command, ran: Ran) -> CallToolResult:
         f"`timeout_s` ({cmd.timeout_s:g} s) ran out and bastion's MCP server ended the ssh call."
     )
     if state and state.get("state") in ("retry_safe", "denied"):
+        retry = state.get("state") == "retry_safe"
+        again = (
+            "the same call may be repeated, with a longer timeout_s if needed."
+            if retry
+            else "it needs a person's answer: call again only with a longer timeout_s, so "
+            "that they have time to give it."
+        )
         return error_result(
             {
-                "code": state.get("code") or "APPROVAL_TIMEOUT",
+                "code": state.get("code") or Code.APPROVAL_TIMEOUT.value,
                 "message": f"{where} The command was not sent (it was still waiting for an "
-                "approval or a free slot); call again, with a longer timeout_s if needed.",
+                f"approval or a free slot); {again}",
                 "request_id": rid,
-                "retryable": state.get("state") == "retry_safe",
+                "retryable": retry,
             },
             outputs(ran),
         )
@@ -132,13 +185,13 @@ async def timed_out(front: Front, cmd: Command, ran: Ran) -> CallToolResult:
     # record its real outcome -- this call just stops waiting for it.
     return error_result(
         {
-            "code": "STATUS_UNKNOWN",
+            "code": Code.STATUS_UNKNOWN.value,
             "message": f"{where} bastion still holds the command (running on the target, or "
             "waiting for an approval) and records how it ends: call request_status with this "
             "request_id for its outcome, and do not repeat it before then."
             + ("" if rid else " bastion did not name the request in time."),
             "request_id": rid,
-            "retryable": False,
+            "retryable": Code.STATUS_UNKNOWN.retryable,
         },
         outputs(ran),
     )
@@ -163,7 +216,7 @@ def ok_result(
 
 def build(front: Front) -> MCPServer:
     """The server and its three tools."""
-    server = MCPServer(name="bastion", instructions=INSTRUCTIONS, version="1")
+    server = Server(name="bastion", instructions=INSTRUCTIONS, version="1")
 
     @server.tool(
         description="Run one command on a host through bastion and return its stdout, stderr "
@@ -198,10 +251,11 @@ def build(front: Front) -> MCPServer:
         try:
             cmd = cmd.checked()
             if cmd.user is None:
-                cmd = replace(cmd, user=await asyncio.to_thread(front.account_of, host))
+                user = await asyncio.to_thread(front.account_of, host)
+                cmd = replace(cmd, user=user).checked()
             await asyncio.to_thread(agent_exec.register_front, front.agent_socket)
         except AgentError as exc:
-            return internal(str(exc))
+            return refused(exc)
 
         async def progress(out: int, err: int, elapsed: float) -> None:
             message = f"running {elapsed:.0f} s; {out} bytes of stdout, {err} of stderr so far"
@@ -238,7 +292,7 @@ def build(front: Front) -> MCPServer:
         try:
             doc = await asyncio.to_thread(front.ask, "hosts")
         except AgentError as exc:
-            return internal(str(exc))
+            return refused(exc)
         if doc.get("ok") is False:
             return error_result(doc["error"])
         text = json.dumps(doc, indent=1)
@@ -253,13 +307,17 @@ def build(front: Front) -> MCPServer:
         request_id: Annotated[str, Field(description="The request id, e.g. req_0123abcd.")],
     ) -> CallToolResult:
         if not agent_exec.ACTION_KEY.fullmatch(request_id):
-            return internal(f"{request_id!r} is not a request id")
+            return failure(
+                Code.UNSUPPORTED_REQUEST,
+                f"`request_id` {agent_exec.shown(request_id)} is not a request id: send one "
+                "an ssh_exec result gave (req_...).",
+            )
         try:
             doc = await asyncio.to_thread(front.ask, "request", request_id=request_id)
-        except Refused as exc:
-            return CallToolResult(content=[TextContent(type="text", text=str(exc))], is_error=True)
+        except Refused as exc:  # the gateway knows no such request
+            return failure(Code.UNSUPPORTED_REQUEST, f"{exc}: send a request_id ssh_exec gave.")
         except AgentError as exc:
-            return internal(str(exc))
+            return refused(exc)
         return CallToolResult(
             content=[TextContent(type="text", text=json.dumps(doc))], structured_content=doc
         )

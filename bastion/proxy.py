@@ -20,23 +20,45 @@ import os
 import select
 import socket
 import stat
+import struct
 import sys
 
 PROTOCOL = b"BASTION/1 "
 MAX_HEADER = 4096
 REPLY_TIMEOUT = 30.0
+# The agent-facing codes this helper ends with: (code, exit status, retryable), as
+# bastion.core.contract's table has them (tests/unit/test_proxy.py holds them to it).
+INTERNAL = ("INTERNAL", 70, False)
+GATEWAY_BUSY = ("GATEWAY_BUSY", 69, True)
 
 
-def fail(message: str) -> int:
+def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
     """Tell the agent, in the agent-facing error shape, why no SSH session could even start."""
+    code, status, retryable = ending
     error = {
-        "code": "INTERNAL",
+        "code": code,
         "message": message + " Nothing was sent to the target.",
         "request_id": None,
-        "retryable": False,
+        "retryable": retryable,
     }
     sys.stderr.write(json.dumps({"ok": False, "error": error}) + "\n")
-    return 70
+    return status
+
+
+def reason(exc: OSError) -> str:
+    """What went wrong, in words (a timeout's strerror is None)."""
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect within `timeout` seconds and bound each later send and receive the same.
+    A blocking connect waits for ever while the listener's queue is full, as a wedged
+    gateway's stays: SO_SNDTIMEO bounds that wait (it then fails EAGAIN)."""
+    limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.connect(path)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bytes(len(limit)))
+    sock.settimeout(timeout)
 
 
 def read_reply(sock: socket.socket) -> bytes:
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("The host or user name is too long.")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(sock_path)
+        connect(sock, sock_path, REPLY_TIMEOUT)
         # The gateway may refuse before reading (a per-uid cap): its ERR line still waits.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(header)
@@ -108,8 +130,18 @@ def main(argv: list[str] | None = None) -> int:
             f"The bastion gateway is not accepting connections at {sock_path}; "
             "ask the operator to start `bastion daemon`."
         )
+    except (TimeoutError, BlockingIOError):  # no answer, or a queue full as long (EAGAIN)
+        return fail(
+            f"The bastion gateway at {sock_path} did not answer within {REPLY_TIMEOUT:g} s "
+            "(it is overloaded or stuck); retry in a moment, and if it persists ask the "
+            "operator to check `bastion status`.",
+            GATEWAY_BUSY,
+        )
     except OSError as exc:
-        return fail(f"Could not talk to the bastion gateway at {sock_path}: {exc.strerror}.")
+        return fail(
+            f"Could not talk to the bastion gateway at {sock_path}: {reason(exc)}; "
+            "ask the operator to check `bastion status`."
+        )
     if not reply.startswith(b"OK"):
         text = reply.decode("utf-8", "replace").strip().removeprefix("ERR").strip()
         return fail(f"The bastion gateway refused the connection: {text or 'no reply'}.")
@@ -120,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             socket.send_fds(out, [b"\0"], [sock.fileno()])
         except OSError as exc:
-            return fail(f"Could not pass the connection to ssh: {exc.strerror}.")
+            return fail(f"Could not pass the connection to ssh: {reason(exc)}.")
         finally:
             out.detach()
         return 0
-    return relay(sock)
+    try:
+        return relay(sock)
+    except OSError as exc:  # SSH had started: what became of the command is the gateway's to say
+        sys.stderr.write(f"bastion proxy: the connection to the gateway broke: {reason(exc)}.\n")
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,19 +11,28 @@ Protocol: one JSON object per line on stdin -> one per line on stdout.
   {"id": N, "op": "call", "name": T, "arguments": {...}}
       -> {"id": N, "is_error": bool, "structured": {...}|null, "text": str, "progress": [str]}
 Calls run concurrently. Line 0 is {"id": 0, "ready": PID, "server_pid": PID}.
+
+Tests drive it through `McpClient` below (the test side of the same protocol).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+
+if TYPE_CHECKING:
+    from tests.harness import Bastion
 
 
 def say(doc: dict[str, Any]) -> None:
@@ -77,6 +86,64 @@ async def main() -> None:
             task.add_done_callback(tasks.discard)
         for task in list(tasks):
             await task
+
+
+class McpClient:
+    """An MCP client process (the agent program) with `bastion mcp` as its child."""
+
+    def __init__(self, b: Bastion, *server_args: str) -> None:
+        from tests.harness import cli_argv
+
+        argv = cli_argv(b.home.root, "mcp", *server_args)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._ids = itertools.count(1)
+        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {0: queue.Queue()}
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._replies[0].get(timeout=60)
+        self.pid, self.server_pid = ready["ready"], ready["server_pid"]
+        b.agents.append(self)  # type: ignore[arg-type]  (closed with the bastion)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            doc = json.loads(line)
+            self._replies.setdefault(doc["id"], queue.Queue()).put(doc)
+
+    def start(self, op: str, **fields: Any) -> int:
+        rid = next(self._ids)
+        self._replies.setdefault(rid, queue.Queue())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": rid, "op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return rid
+
+    def finished(self, rid: int) -> bool:
+        """Has the call `rid` been answered (its reply is waiting)?"""
+        return self._replies[rid].qsize() > 0
+
+    def wait(self, rid: int, timeout: float = 90) -> dict[str, Any]:
+        doc = self._replies[rid].get(timeout=timeout)
+        assert "exception" not in doc, doc["exception"]
+        return doc
+
+    def call(self, name: str, timeout: float = 90, **arguments: Any) -> dict[str, Any]:
+        return self.wait(self.start("call", name=name, arguments=arguments), timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def error_of(r: dict[str, Any]) -> dict[str, Any]:
+    """The agent-facing error object of a tool error."""
+    assert r["is_error"], r
+    return r["structured"]["error"]
 
 
 if __name__ == "__main__":

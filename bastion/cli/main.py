@@ -13,7 +13,7 @@ import base64
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -32,6 +32,7 @@ from bastion.cli.common import (
     read_passphrase,
     save_to_keyring,
 )
+from bastion.cli.daemon import daemon
 from bastion.cli.doctor import doctor
 from bastion.cli.isolate import isolate
 from bastion.cli.keys import key
@@ -39,13 +40,9 @@ from bastion.cli.mcp import mcp
 from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
 from bastion.cli.service import service
-from bastion.core import defaults
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
-from bastion.home import Home, default_home
-
-if TYPE_CHECKING:
-    from bastion.isolation import Isolation
+from bastion.home import default_home
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,7 +61,7 @@ def main(ctx: click.Context, home: Path | None) -> None:
 
 
 COMMANDS = (key, ca, audit, hostkey, ssh_config, proxy, run, check_command, isolate)
-for command in (*COMMANDS, mcp, doctor, service, comp.completion):
+for command in (*COMMANDS, daemon, mcp, doctor, service, comp.completion):
     main.add_command(command)
 
 
@@ -118,149 +115,6 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
         "Next: `bastion key generate LABEL`, write a policy, `bastion daemon`, "
         "`bastion unlock`, `bastion ssh-config > agent_ssh_config`."
     )
-
-
-@main.command()
-@click.option(
-    "--policies",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Policy directory (default: HOME/policies).",
-)
-@click.option(
-    "--agent-socket",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Agent socket path (default: HOME/run/agent.sock).",
-)
-@click.option(
-    "--agent-group",
-    default=None,
-    help="Group allowed to connect to the agent socket (agents as another user).",
-)
-@click.option(
-    "--approval-timeout",
-    type=click.FloatRange(min=0.1),
-    default=defaults.APPROVAL_TIMEOUT,
-    show_default=True,
-    help="Seconds a card waits for an answer.",
-)
-@click.option(
-    "--command-ttl",
-    type=click.FloatRange(min=0.1),
-    default=defaults.COMMAND_TTL,
-    show_default=True,
-    help="Seconds an approved command may wait to be sent.",
-)
-@click.option(
-    "--keepalive",
-    type=click.FloatRange(min=0.1),
-    default=defaults.KEEPALIVE_INTERVAL,
-    show_default=True,
-    help=f"Seconds between keepalives to targets ({defaults.KEEPALIVE_COUNT_MAX} missed = "
-    "connection lost).",
-)
-@click.option(
-    "--wrapper",
-    "wrappers",
-    multiple=True,
-    metavar="NAME",
-    help="Another executable the subject walk passes over like a shell (repeatable).",
-)
-@click.option(
-    "--session-host",
-    "session_hosts",
-    multiple=True,
-    metavar="NAME",
-    help="Another executable the subject walk never climbs into, like tmux (repeatable).",
-)
-@click.pass_context
-def daemon(
-    ctx: click.Context,
-    policies: Path | None,
-    agent_socket: Path | None,
-    agent_group: str | None,
-    approval_timeout: float,
-    command_ttl: float,
-    keepalive: float,
-    wrappers: tuple[str, ...],
-    session_hosts: tuple[str, ...],
-) -> None:
-    """Run the gateway in the foreground. It starts locked.
-
-    Without --agent-group and --agent-socket it uses HOME/isolation.json when
-    `bastion isolate setup` wrote one (strong isolation), else it runs in
-    advisory mode."""
-    from bastion.gateway.lifetime import Settings, run_daemon
-
-    home = home_of(ctx)
-    if not home.exists():
-        fail(f"{home.root} is not initialised; run `bastion init` first")
-    gid = None
-    if agent_group is not None:
-        import grp
-
-        try:
-            gid = grp.getgrnam(agent_group).gr_gid
-        except KeyError:
-            fail(f"no group named {agent_group!r}")
-    elif agent_socket is None and (iso := _isolation_of(home)) is not None:
-        gid, agent_socket = iso.gid, iso.agent_socket
-        click.echo(
-            f"bastion: strong isolation ({home.isolation}): agents run as {iso.user} "
-            f"(uid {iso.uid}); group {iso.group} may reach {iso.agent_socket}",
-            err=True,
-        )
-    sock = (agent_socket or home.agent_socket).absolute()
-    if agent_group is not None:
-        click.echo(f"bastion: strong isolation: group {agent_group} may reach {sock}", err=True)
-    elif gid is None:
-        click.echo(
-            f"bastion: advisory isolation: agents run as this user (uid {os.getuid()}); for "
-            f"strong isolation: sudo bastion --home {home.root} isolate setup",
-            err=True,
-        )
-    run_daemon(
-        Settings(
-            home=home,
-            policies=(policies or home.policies).absolute(),
-            agent_socket=sock,
-            agent_group=gid,
-            approval_timeout=approval_timeout,
-            command_approval_ttl=command_ttl,
-            keepalive_interval=keepalive,
-            wrappers=frozenset(wrappers),
-            session_hosts=frozenset(session_hosts),
-        )
-    )
-
-
-def _isolation_of(home: Home) -> Isolation | None:
-    """What `isolate setup` recorded, if it did, with its socket directory checked."""
-    import stat
-
-    from bastion import isolation
-
-    try:
-        iso = isolation.load(home)
-    except isolation.IsolationError as exc:
-        fail(str(exc))
-    if iso is None:
-        return None
-    again = f"run `sudo bastion --home {home.root} isolate setup` again"
-    try:
-        st = os.lstat(iso.socket_dir)
-    except OSError:
-        fail(f"{iso.socket_dir} is gone (/run is emptied at boot): {again}")
-    if (
-        not stat.S_ISDIR(st.st_mode)
-        or st.st_gid != iso.gid
-        or not os.access(iso.socket_dir, os.W_OK)
-    ):
-        fail(
-            f"{iso.socket_dir} is not the agents' directory (group {iso.group}, writable): {again}"
-        )
-    return iso
 
 
 @main.command()

@@ -41,7 +41,11 @@ def mcp(
     and request_status, through the same gate, cards and journal as ssh.
 
     An MCP client starts it as {"command": "bastion", "args": ["mcp"]}; the
-    client process is the subject the operator approves in `bastion approve`."""
+    client process is the subject the operator approves in `bastion approve`.
+
+    Nothing a tool call sends becomes an ssh option or a local command: host
+    and user must be names as ssh_hosts lists them, and the command goes after
+    `--` and the destination. A call it refuses is UNSUPPORTED_REQUEST."""
     try:
         from bastion import agent_exec, mcp_front
     except ImportError as exc:

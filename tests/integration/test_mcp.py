@@ -6,75 +6,19 @@ ssh client, the real gateway and a real sshd; the test is the operator.
 from __future__ import annotations
 
 import base64
-import itertools
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
-from tests.harness import USER, Bastion, cli_argv, make_bastion, policy_toml, wait_for
+from tests.harness import USER, Bastion, make_bastion, policy_toml, wait_for
+from tests.mcp_client_helper import McpClient, error_of
 
-HELPER = Path(__file__).resolve().parent.parent / "mcp_client_helper.py"
 TOOLS = {"ssh_exec", "ssh_hosts", "request_status"}
-
-
-class McpClient:
-    """An MCP client process (the agent program) with `bastion mcp` as its child."""
-
-    def __init__(self, b: Bastion, *server_args: str) -> None:
-        argv = cli_argv(b.home.root, "mcp", *server_args)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._ids = itertools.count(1)
-        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {0: queue.Queue()}
-        threading.Thread(target=self._read, daemon=True).start()
-        ready = self._replies[0].get(timeout=60)
-        self.pid, self.server_pid = ready["ready"], ready["server_pid"]
-        b.agents.append(self)  # type: ignore[arg-type]  (closed with the bastion)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            doc = json.loads(line)
-            self._replies.setdefault(doc["id"], queue.Queue()).put(doc)
-
-    def start(self, op: str, **fields: Any) -> int:
-        rid = next(self._ids)
-        self._replies.setdefault(rid, queue.Queue())
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"id": rid, "op": op, **fields}) + "\n")
-        self.proc.stdin.flush()
-        return rid
-
-    def wait(self, rid: int, timeout: float = 90) -> dict[str, Any]:
-        doc = self._replies[rid].get(timeout=timeout)
-        assert "exception" not in doc, doc["exception"]
-        return doc
-
-    def call(self, name: str, timeout: float = 90, **arguments: Any) -> dict[str, Any]:
-        return self.wait(self.start("call", name=name, arguments=arguments), timeout)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def error_of(r: dict[str, Any]) -> dict[str, Any]:
-    assert r["is_error"], r
-    return r["structured"]["error"]
 
 
 def state(b: Bastion, request_id: str) -> dict[str, Any]:

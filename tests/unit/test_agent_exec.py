@@ -1,18 +1,32 @@
 """The pure parts of `bastion mcp`'s runner (bastion/agent_exec.py): what is kept of
-a stream, how bytes come back, what is refused before ssh starts, and which stderr
-line is the gateway's."""
+a stream, how bytes come back, what is refused before ssh starts and why, how the
+stock ssh parses the argv, and which stderr line is the gateway's."""
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bastion.agent_exec import AgentError, Command, Keeper, gateway_error, socket_of, ssh_argv
+from bastion import agent_exec
+from bastion.agent_exec import (
+    GATEWAY_EXITS,
+    Busy,
+    Command,
+    Keeper,
+    Unsupported,
+    gateway_error,
+    socket_of,
+    ssh_argv,
+)
+from bastion.core.contract import CONTRACT, Code, Exit
 
 
 @given(st.lists(st.binary(max_size=300), max_size=20), st.integers(2, 64))
@@ -49,33 +63,93 @@ def test_text_when_utf8_else_exact_base64() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "says"),
     [
-        ("host", "-oProxyCommand=evil"),
-        ("host", "web1 extra"),
-        ("user", "-l"),
-        ("user", "a@b"),
-        ("action_key", "has space"),
-        ("action_key", 'q"uote'),
-        ("command", "  "),
-        ("command", "a\0b"),
-        ("timeout_s", 0),
-        ("timeout_s", 86401),
+        ("host", "-oProxyCommand=evil", "read as an option"),
+        ("host", "--", "read as an option"),
+        ("host", "web1 extra", "is not a host alias"),
+        ("host", "web1\n", "is not a host alias"),
+        ("user", "-l", "read as an option"),
+        ("user", "a@b", "is not an account"),
+        ("action_key", "-F/tmp/evil", "is not an action key"),
+        ("action_key", "has space", "is not an action key"),
+        ("action_key", 'q"uote', "is not an action key"),
+        ("command", "  ", "is empty"),
+        ("command", "a\0b", "NUL"),
+        ("timeout_s", 0, "more than 0"),
+        ("timeout_s", 86401, "at most 86400"),
     ],
 )
-def test_refused_before_ssh_starts(field: str, value: object) -> None:
+def test_refused_before_ssh_starts_saying_why(field: str, value: object, says: str) -> None:
     fields: dict[str, object] = {"host": "web1", "command": "true", field: value}
-    with pytest.raises(AgentError):
+    with pytest.raises(Unsupported) as refused:
         Command(**fields).checked()  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert f"`{field}`" in message and says in message, message
+    assert message.endswith("Nothing was sent to the target."), message
+    assert refused.value.code is Code.UNSUPPORTED_REQUEST
 
 
-def test_argv_puts_the_command_last_and_env_in_one_setenv() -> None:
+def test_a_refused_value_is_quoted_back_bounded() -> None:
+    with pytest.raises(Unsupported) as refused:
+        Command("-" + "x" * 10_000, "true").checked()
+    assert len(str(refused.value)) < 400
+
+
+def test_argv_ends_the_options_before_the_destination() -> None:
     cmd = Command("web1", "-rf x; id", user="deploy", ack_unknown=True)
     argv = ssh_argv(Path("/c"), cmd, "k1")
     assert argv == [
-        "ssh", "-F", "/c", "-o", "SetEnv=BASTION_ACTION_KEY=k1 BASTION_ACK_UNKNOWN=1",
-        "-l", "deploy", "web1", "-rf x; id",
+        "ssh", "-F", "/c", "-T", "-o", "SetEnv=BASTION_ACTION_KEY=k1 BASTION_ACK_UNKNOWN=1",
+        "-l", "deploy", "--", "web1", "-rf x; id",
     ]  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
+@pytest.mark.parametrize(
+    "command", ["-oProxyCommand=touch /tmp/x", "-F/tmp/evil", "-l root", "-oUser=root"]
+)
+def test_the_stock_ssh_reads_an_option_shaped_command_as_the_command(
+    tmp_path: Path, command: str
+) -> None:
+    """`ssh -G` prints the options ssh parsed, connecting nowhere. With the argv the
+    MCP door builds, an option-shaped command changes none of them; with the old argv
+    (no `--`), ssh took it as its own option."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n    ProxyCommand /bin/true %h\n    User deploy\n")
+
+    def parsed(argv: list[str]) -> str:
+        r = subprocess.run(["ssh", "-G", *argv[1:]], capture_output=True, text=True, timeout=30)
+        return r.stdout + r.stderr
+
+    argv = ssh_argv(config, Command("web1", command), "k1")
+    new = parsed(argv)
+    assert "proxycommand /bin/true %h" in new and "\nuser deploy\n" in new, new
+    old = parsed([a for a in argv if a != "--"])
+    assert "proxycommand /bin/true %h" not in old or "\nuser deploy\n" not in old, old
+
+
+def test_gateway_exits_are_the_contracts() -> None:
+    """The statuses after which stderr's last line is the gateway's: every `Exit`."""
+    assert GATEWAY_EXITS == {int(e) for e in Exit} == {int(s) for s, _ in CONTRACT.values()}
+
+
+def test_a_gateway_that_does_not_answer_is_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wedged gateway (it takes the connection, never answers; or its queue is
+    full): GATEWAY_BUSY, nothing was sent, retry -- not an INTERNAL fault."""
+    monkeypatch.setattr(agent_exec, "ASK_TIMEOUT", 0.3)
+    path = tmp_path / "agent.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        server.listen(0)
+        for _ in range(2):  # silent, then a full queue (the first call's connection waits)
+            with pytest.raises(Busy) as busy:
+                agent_exec.ask(path, {"query": "hosts"})
+            assert busy.value.code is Code.GATEWAY_BUSY and busy.value.code.retryable
+            assert "did not answer within 0.3 s" in str(busy.value)
+            assert "Nothing was sent" in str(busy.value) and "retry" in str(busy.value).lower()
 
 
 def test_the_gateway_error_is_the_last_json_line_when_the_exit_says_so() -> None:

@@ -1,11 +1,23 @@
-"""The proxy's handshake with the daemon, without ssh (pure socket tests)."""
+"""The proxy's handshake with the daemon, without ssh (pure socket tests), and every
+way it can end before SSH starts, held to the agent-facing contract."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import select
 import socket
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import pytest
+
+from bastion import proxy
+from bastion.core.contract import CONTRACT, Code
 from bastion.proxy import read_reply
+
+ARGS = ["web1", "22", "deploy"]
 
 
 def test_read_reply_leaves_the_ssh_banner_on_the_socket() -> None:
@@ -23,3 +35,111 @@ def test_read_reply_stops_at_close() -> None:
         t.start()
         assert read_reply(b) == b"ERR no"
         t.join(5)
+
+
+def test_the_proxys_endings_are_the_contracts() -> None:
+    """proxy.py may import nothing of bastion's: its codes are tied to the table here."""
+    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
+        assert CONTRACT[Code(code)] == (status, retryable), code
+
+
+# -- each way the proxy ends before SSH, run in this process against fake gateways --------
+
+
+@contextlib.contextmanager
+def listening(path: Path, backlog: int = 8) -> Iterator[socket.socket]:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with server:
+        server.bind(str(path))
+        server.listen(backlog)
+        yield server
+
+
+def no_socket(path: Path) -> contextlib.AbstractContextManager[object]:
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def stale_socket(path: Path) -> Iterator[None]:
+    """A socket file nobody listens on: a gateway that died."""
+    with listening(path):
+        pass
+    yield
+
+
+@contextlib.contextmanager
+def silent(path: Path) -> Iterator[None]:
+    """Takes the connection (the kernel's queue) and never answers: a wedged gateway."""
+    with listening(path):
+        yield
+
+
+@contextlib.contextmanager
+def queue_full(path: Path) -> Iterator[None]:
+    """A wedged gateway whose listen queue is full: a blocking connect would wait for ever."""
+    with listening(path, backlog=0), socket.socket(socket.AF_UNIX) as first:
+        first.connect(str(path))
+        yield
+
+
+@contextlib.contextmanager
+def answering(path: Path, reply: bytes | None) -> Iterator[None]:
+    """Reads the header and answers `reply` (None: closes with the header unread,
+    which resets the connection)."""
+    with listening(path) as server:
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                select.select([conn], [], [], 10)  # the header has arrived
+                if reply is not None:
+                    conn.recv(4096)
+                    conn.sendall(reply)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        yield
+        t.join(10)
+
+
+CASES: dict[str, tuple[Callable[[Path], contextlib.AbstractContextManager[object]], str, str]] = {
+    "not running": (no_socket, "INTERNAL", "is not running"),
+    "stale socket": (stale_socket, "INTERNAL", "not accepting connections"),
+    "refused": (lambda p: answering(p, b"ERR too many\n"), "INTERNAL", "refused the connection"),
+    "closed": (lambda p: answering(p, b""), "INTERNAL", "no reply"),
+    "reset": (lambda p: answering(p, None), "INTERNAL", "Could not talk"),
+    "silent": (silent, "GATEWAY_BUSY", "did not answer within 0.5 s"),
+    "queue full": (queue_full, "GATEWAY_BUSY", "did not answer within 0.5 s"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_ending_before_ssh_is_a_contract_line_with_a_sentence(
+    case: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gateway, code, says = CASES[case]
+    monkeypatch.setattr(proxy, "REPLY_TIMEOUT", 0.5)
+    path = tmp_path / "agent.sock"
+    ended: list[int] = []
+    with gateway(path):
+        t = threading.Thread(
+            target=lambda: ended.append(proxy.main(["--socket", str(path), *ARGS]))
+        )
+        t.daemon = True
+        t.start()
+        t.join(10)
+    assert ended, "the proxy was still waiting after 10 s"
+    error = json.loads(capsys.readouterr().err.strip().splitlines()[-1])["error"]
+    assert error["code"] == code, error
+    assert (ended[0], error["retryable"]) == CONTRACT[Code(code)], error
+    assert says in error["message"] and "None" not in error["message"], error
+    assert error["message"].endswith("Nothing was sent to the target."), error
+
+
+def test_a_name_too_long_for_the_header_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert proxy.main(["--socket", "/nonexistent", "h" * 5000, "22", "u"]) == 70
+    error = json.loads(capsys.readouterr().err)["error"]
+    assert error["code"] == "INTERNAL" and "too long" in error["message"]
