@@ -5,10 +5,12 @@ decides nothing: `systemctl status x; id` starts with `systemctl status `.
 `read_command` turns the string into an argv only when every POSIX shell
 (sh, bash, dash, zsh, ksh) would run exactly that argv: words of plain
 characters, `'single'` and `"double"` quoted text without `$`, a backquote,
-a backslash or `!` inside, separated by blanks. Anything else is *shell
-source*, reported with every construct found and its byte offset. When in
-doubt it is shell source: a plain command that reads as source only costs a
-card, a source command that read as plain would cost the target.
+a backslash or `!` inside, separated by blanks. A word is judged where the
+shell judges it, after quote removal too: zsh expands `''=ls` as it does
+`=ls`, and runs `'ex'ec` as `exec`. Anything else is *shell source*,
+reported with every construct found and its byte offset. When in doubt it is
+shell source: a plain command that reads as source only costs a card, a
+source command that read as plain would cost the target.
 
 Rules (`allow`, `preapproved`, `deny`) are word patterns, parsed here too:
 each word is an `fnmatch` glob over exactly one argv word, and a final `...`
@@ -58,6 +60,7 @@ _RESERVED = frozenset(
         *("if", "then", "else", "elif", "fi", "case", "esac", "for", "select", "while"),
         *("until", "do", "done", "in", "function", "time", "coproc", "repeat", "foreach"),
         *("nocorrect", "noglob", "builtin", "command", "exec", "eval"),
+        "-",  # zsh's precommand modifier: `'-' touch x` runs touch
     }
 )
 _PATTERN_CHARS = frozenset("*?[]")  # rules: glob characters are pattern syntax, not shell
@@ -118,8 +121,8 @@ def _scan(text: str, patterns: bool) -> tuple[list[str], list[tuple[int, str, st
             continue
         if word is None:
             word = []
-            if ch == "=":
-                found.append((i, ch, "'=' expansion (zsh) at the start of a word"))
+        if ch == "=" and not word:  # zsh expands `=ls`, `''=ls` and `""=ls` alike
+            found.append((i, ch, "'=' expansion (zsh) at the start of a word"))
         if ch in "'\"":
             end = text.find(ch, i + 1)
             if end < 0:

@@ -60,6 +60,9 @@ def test_no_bypass_matches_the_rule_of_its_innocent_twin(entry: dict[str, Any]) 
         ("echo 'a;b|c&d>e<f(g)h*i?j[k]l{m}n~o#p'", ["echo", "a;b|c&d>e<f(g)h*i?j[k]l{m}n~o#p"]),
         ("ls --color=never a=b", ["ls", "--color=never", "a=b"]),
         ("git log -n 5 --format=%H", ["git", "log", "-n", "5", "--format=%H"]),
+        ("ls '='x \"=\"y", ["ls", "=x", "=y"]),  # a quoted = is no expansion, in zsh either
+        ("ls '~'root", ["ls", "~root"]),  # nor a quoted ~
+        ("ls a''=b", ["ls", "a=b"]),  # = expands at the start of a word only
     ],
 )
 def test_plain_commands_read_as_the_argv_every_posix_shell_runs(
@@ -81,6 +84,17 @@ def test_plain_commands_read_as_the_argv_every_posix_shell_runs(
         ("echo 'open", 5, "'"),
         ("a=b ls", 1, "="),
         ("=ls", 0, "="),
+        ("''=ls", 2, "="),  # zsh judges the word after quote removal: /usr/bin/ls
+        ('""=ls', 2, "="),
+        ("''\"\"=ls", 4, "="),
+        ("ls ''=ls", 5, "="),  # in any word, not only the program's
+        ("A''=b ls", 3, "="),  # not an assignment in sh, but it is read as shell source
+        ("'A'=b ls", 3, "="),
+        ("'ex'ec id", 0, "exec"),  # builtins are found after quote removal
+        ('""eval id', 0, "eval"),
+        ("'-' touch x", 0, "-"),  # zsh's precommand modifier, quoted or not
+        ("''- touch x", 0, "-"),
+        ("'noglob' touch x", 0, "noglob"),
         ("eval id", 0, "eval"),
         ("  exec id", 2, "exec"),
         ("ls ^x", 3, "^"),
