@@ -5,7 +5,9 @@ gate's own policy step (`core.gate.assess`) -- the same function the live
 gateway calls -- and prints how the command reads (an argv, or shell source
 with its constructs), which rule decided, and what the agent would meet:
 a denial, a command card, or no command card (after the session card a new
-process always gets).
+process always gets). When only options kept an `allow` or `preapproved` rule
+from matching (a glob or `...` never covers a word beginning with `-`), it
+names each option and the rule word that would have matched it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
         "verdict": "denied",
         "code": None,
         "reason": "",
+        "unspelled_options": [],  # {field, rule, index, word, rule_word}
     }
     problem = validate_command(command)
     if problem is not None:
@@ -53,9 +56,19 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
         out["shell_syntax"] = [c.as_json() for c in reading.constructs]
         out["rule"] = judged.check.rule
         out["reason"] = judged.check.reason
+        out["unspelled_options"] = [
+            {"field": "allow", **u.as_json()} for u in judged.check.unspelled
+        ]
     if judged.deny is not None:
         return {**out, "code": judged.deny.code.value, "reason": judged.deny.message}
     out["preapproved"] = judged.preapproved
+    argv = judged.check.reading.argv if judged.check is not None else None
+    if judged.command_card and argv is not None and judged.account is not None:
+        out["unspelled_options"] = [  # why no preapproved rule spares the card
+            {"field": "preapproved", **u.as_json()}
+            for rule in judged.account.preapproved
+            for u in rule.unspelled(argv)
+        ]
     out["verdict"] = "command_card" if judged.command_card else "no_command_card"
     return out
 
@@ -84,6 +97,13 @@ def _human(v: dict[str, Any]) -> str:
         f"rule:     {escape_text(v['rule'] or '-')}",
         f"verdict:  {escape_text(what)}",
     ]
+    for u in v["unspelled_options"]:
+        lines.append(
+            f"option:   {escape_text(repr(u['word']))} (word {u['index'] + 1}) is an option: "
+            f"{escape_text(repr(u['rule_word']))} in {u['field']} rule "
+            f'"{escape_text(u["rule"])}" would match it otherwise; spell it in the rule, '
+            "or use an option pattern such as -*"
+        )
     return "\n".join(lines)
 
 
