@@ -7,7 +7,9 @@ with its constructs), which rule decided, and what the agent would meet:
 a denial, a command card, or no command card (after the session card a new
 process always gets). When only options kept an `allow` or `preapproved` rule
 from matching (a glob or `...` never covers a word beginning with `-`), it
-names each option and the rule word that would have matched it.
+names each option and the rule word that would have matched it; and it warns
+about the account's rules that spell an option known to run a program
+(core/options.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from bastion.cli.completion import complete_account, complete_host
 def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[str, Any]:
     """The policy's verdict as data (also what `--json` prints)."""
     from bastion.core.gate import assess, validate_command
+    from bastion.core.options import warnings
     from bastion.core.policy import PolicyError
     from bastion.policy_files import load_policy_dir
 
@@ -41,6 +44,7 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
         "code": None,
         "reason": "",
         "unspelled_options": [],  # {field, rule, index, word, rule_word}
+        "warnings": [],
     }
     problem = validate_command(command)
     if problem is not None:
@@ -50,6 +54,12 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
     except PolicyError as exc:
         return {**out, "code": "POLICY_UNAVAILABLE", "reason": str(exc)}
     judged = assess(policy, host, user, command)
+    if judged.account is not None:
+        account = judged.account
+        out["warnings"] = [
+            *warnings("allow", account.allow or ()),
+            *warnings("preapproved", account.preapproved),
+        ]
     if judged.check is not None:
         reading = judged.check.reading
         out["argv"] = list(reading.argv) if reading.argv is not None else None
@@ -104,6 +114,7 @@ def _human(v: dict[str, Any]) -> str:
             f'"{escape_text(u["rule"])}" would match it otherwise; spell it in the rule, '
             "or use an option pattern such as -*"
         )
+    lines += [f"warning:  {escape_text(w)}" for w in v["warnings"]]
     return "\n".join(lines)
 
 

@@ -118,6 +118,7 @@ def test_find_and_tar_options_a_rule_did_not_spell_are_refused_and_run_nothing(
     admitted = f"find {logs} -maxdepth 0 -fprintf {marker} x"
     offline = check(b, "web1", admitted)
     assert offline["rule"] == spelled and offline["verdict"] == "no_command_card"
+    assert any("-fprintf" in w and spelled in w for w in offline["warnings"])
     assert agent.run(admitted, host="web1").rc == 0
     assert marker.exists()  # so the markers above would have shown a run
 
