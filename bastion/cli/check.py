@@ -5,7 +5,11 @@ gate's own policy step (`core.gate.assess`) -- the same function the live
 gateway calls -- and prints how the command reads (an argv, or shell source
 with its constructs), which rule decided, and what the agent would meet:
 a denial, a command card, or no command card (after the session card a new
-process always gets).
+process always gets). When only options kept an `allow` or `preapproved` rule
+from matching (a glob or `...` never covers a word beginning with `-`), it
+names each option and the rule word that would have matched it; and it warns
+about the account's rules that spell an option known to run a program
+(core/options.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from bastion.cli.completion import complete_account, complete_host
 def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[str, Any]:
     """The policy's verdict as data (also what `--json` prints)."""
     from bastion.core.gate import assess, validate_command
+    from bastion.core.options import warnings
     from bastion.core.policy import PolicyError
     from bastion.policy_files import load_policy_dir
 
@@ -38,6 +43,8 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
         "verdict": "denied",
         "code": None,
         "reason": "",
+        "unspelled_options": [],  # {field, rule, index, word, rule_word}
+        "warnings": [],
     }
     problem = validate_command(command)
     if problem is not None:
@@ -47,15 +54,31 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
     except PolicyError as exc:
         return {**out, "code": "POLICY_UNAVAILABLE", "reason": str(exc)}
     judged = assess(policy, host, user, command)
+    if judged.account is not None:
+        account = judged.account
+        out["warnings"] = [
+            *warnings("allow", account.allow or ()),
+            *warnings("preapproved", account.preapproved),
+        ]
     if judged.check is not None:
         reading = judged.check.reading
         out["argv"] = list(reading.argv) if reading.argv is not None else None
         out["shell_syntax"] = [c.as_json() for c in reading.constructs]
         out["rule"] = judged.check.rule
         out["reason"] = judged.check.reason
+        out["unspelled_options"] = [
+            {"field": "allow", **u.as_json()} for u in judged.check.unspelled
+        ]
     if judged.deny is not None:
         return {**out, "code": judged.deny.code.value, "reason": judged.deny.message}
     out["preapproved"] = judged.preapproved
+    argv = judged.check.reading.argv if judged.check is not None else None
+    if judged.command_card and argv is not None and judged.account is not None:
+        out["unspelled_options"] = [  # why no preapproved rule spares the card
+            {"field": "preapproved", **u.as_json()}
+            for rule in judged.account.preapproved
+            for u in rule.unspelled(argv)
+        ]
     out["verdict"] = "command_card" if judged.command_card else "no_command_card"
     return out
 
@@ -84,6 +107,14 @@ def _human(v: dict[str, Any]) -> str:
         f"rule:     {escape_text(v['rule'] or '-')}",
         f"verdict:  {escape_text(what)}",
     ]
+    for u in v["unspelled_options"]:
+        lines.append(
+            f"option:   {escape_text(repr(u['word']))} (word {u['index'] + 1}) is an option: "
+            f"{escape_text(repr(u['rule_word']))} in {u['field']} rule "
+            f'"{escape_text(u["rule"])}" would match it otherwise; spell it in the rule, '
+            "or use an option pattern such as -*"
+        )
+    lines += [f"warning:  {escape_text(w)}" for w in v["warnings"]]
     return "\n".join(lines)
 
 

@@ -27,7 +27,16 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
 from bastion.core.certs import DEFAULT_TTL, Auth, CertError, account_auth
-from bastion.core.command import Reading, RuleError, WordRule, parse_rule, read_command
+from bastion.core.command import (
+    Reading,
+    RuleError,
+    RuleKind,
+    Unspelled,
+    WordRule,
+    no_match,
+    parse_rules,
+    read_command,
+)
 
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -134,6 +143,7 @@ class CommandCheck:
     rule: str | None
     reason: str
     reading: Reading
+    unspelled: tuple[Unspelled, ...] = ()  # options that alone kept an allow rule from matching
 
 
 def quote(value: object) -> str:
@@ -174,20 +184,14 @@ def _name(value: object, field: str, where: str) -> str:
 
 
 def _rules(table: dict[str, Any], field: str, where: str) -> tuple[WordRule, ...] | None:
+    """Deny rules are guardrails whose globs reach options too; the rest admit."""
     if field not in table:
         return None
-    value = table[field]
-    if not isinstance(value, list):
-        fail(where, f'field "{field}" must be a list of rules (strings), got {quote(value)}')
-    rules: list[WordRule] = []
-    for i, text in enumerate(value):
-        if not isinstance(text, str) or not text.strip():
-            fail(where, f'field "{field}"[{i}] must be a non-empty string, got {quote(text)}')
-        try:
-            rules.append(parse_rule(text))
-        except RuleError as exc:
-            fail(where, f'field "{field}"[{i}]: {exc}')
-    return tuple(rules)
+    kind = RuleKind.DENY if field == "deny" else RuleKind.ADMIT
+    try:
+        return parse_rules(table[field], field, kind)
+    except RuleError as exc:
+        fail(where, str(exc))
 
 
 def _shell_mode(
@@ -466,13 +470,9 @@ def check_command(account: Account, command: str) -> CommandCheck:
             return CommandCheck(True, rule.text, reason, reading)
     if not account.allow:
         return CommandCheck(False, None, f"{who} allows no commands (allow = [])", reading)
-    allowed = ", ".join(quote(r.text) for r in account.allow)
+    why, missed = no_match(account.allow, reading.argv)
     return CommandCheck(
-        False,
-        None,
-        f"command matches no allow rule for {who} (rules match whole words: * stays within "
-        f'one word, "..." last matches any further words); allowed: {allowed}',
-        reading,
+        False, None, f"command matches no allow rule for {who} {why}", reading, missed
     )
 
 

@@ -1,4 +1,4 @@
-"""Command rules that mean what runs (issue 8), with the real ssh client and a real sshd.
+"""Command rules that mean what runs (issues 8 and 18), with the real ssh client and sshd.
 
 Two host aliases point at the same sshd: `pc` is a per-command account with
 no allow list (shell source goes to a card), `plain` a session account whose
@@ -6,14 +6,23 @@ allow list holds every rule of the bypass corpus. Every attack must raise a
 command card on `pc` (and run nothing when the card is denied) and be refused
 with POLICY_DENIED on `plain`; `bastion check-command` must say the same as
 the live gateway each time.
+
+Each of these runs twice: against the test sshd, where the login shell (bash)
+reads the command, and against one whose ForceCommand hands the command,
+untouched, to zsh (`exec zsh -c "$SSH_ORIGINAL_COMMAND"`), as a zsh login
+shell would read it. The tests run as the invoking user, whose login shell
+they cannot change; the ForceCommand makes zsh the shell that parses the
+agent's bytes, which is what a zsh login shell does with `-c`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +30,7 @@ import pytest
 from click.testing import CliRunner
 
 from bastion.cli.main import main as cli_main
-from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.devtools.sshd_fixture import Sshd, SshdInfo, find_template
 from tests.harness import USER, Agent, Bastion, make_bastion
 
 CORPUS: list[dict[str, Any]] = tomllib.loads(
@@ -30,7 +39,28 @@ CORPUS: list[dict[str, Any]] = tomllib.loads(
 RULES = sorted({e["rule"] for e in CORPUS})
 
 
-def two_accounts(sshd: SshdInfo, plain_rules: list[str], **extra: str) -> str:
+def zsh_target(directory: Path, client_public: str) -> Sshd:
+    """A test sshd on which zsh reads every command (see the module's docstring)."""
+    zsh = shutil.which("zsh")
+    if zsh is None:
+        pytest.skip("zsh is not installed")
+    template = directory / "sshd_config.template"
+    force = f'ForceCommand exec {zsh} -c "$$SSH_ORIGINAL_COMMAND"'  # $$: Template's dollar
+    template.write_text(find_template().read_text() + f"\n{force}\n")
+    return Sshd(directory / "run", authorized_keys=[client_public], template=template)
+
+
+@pytest.fixture(scope="module")
+def zsh_sshd(
+    tmp_path_factory: pytest.TempPathFactory, client_key: tuple[Path, str]
+) -> Iterator[SshdInfo]:
+    with zsh_target(tmp_path_factory.mktemp("zsh-sshd"), client_key[1]) as server:
+        yield server.info
+
+
+def two_accounts(
+    sshd: SshdInfo, plain_rules: list[str], login_shell: str = "posix", **extra: str
+) -> str:
     def host(alias: str, account: list[str]) -> list[str]:
         return [
             f"[hosts.{alias}]",
@@ -40,6 +70,7 @@ def two_accounts(sshd: SshdInfo, plain_rules: list[str], **extra: str) -> str:
             f"[[hosts.{alias}.accounts]]",
             f'user = "{USER}"',
             'credential = "deploy-key"',
+            f'login_shell = "{login_shell}"',
             *account,
             "",
         ]
@@ -52,14 +83,21 @@ def two_accounts(sshd: SshdInfo, plain_rules: list[str], **extra: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["login-shell", "zsh"])
 def rules_bastion(
-    tmp_path_factory: pytest.TempPathFactory, sshd_server: Any, client_key: tuple[Path, str]
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    sshd_server: Any,
+    client_key: tuple[Path, str],
 ) -> Any:
+    """A bastion whose two accounts reach a target where the login shell, or zsh, reads."""
     root = tmp_path_factory.mktemp("rules")
-    b = make_bastion(
-        root, sshd_server.info, client_key[0], policy=two_accounts(sshd_server.info, RULES)
-    )
+    if request.param == "zsh":
+        target: SshdInfo = request.getfixturevalue("zsh_sshd")
+    else:
+        target = sshd_server.info
+    policy = two_accounts(target, RULES, "zsh" if request.param == "zsh" else "posix")
+    b = make_bastion(root, target, client_key[0], policy=policy)
     try:
         yield b
     finally:
@@ -182,6 +220,62 @@ def test_what_the_card_shows_is_the_argv_that_runs(rules_bastion: Bastion, tmp_p
     b.answer(card, True)
     r = agent.wait(rid)
     assert r.rc == 0 and json.loads(r.stdout) == card["argv"][1:]
+
+
+# -- zsh judges a word after quote removal (issue 18) ------------------------------------------
+
+
+def test_a_word_that_zsh_expands_after_quote_removal_is_shown_as_shell_source(
+    rules_bastion: Bastion, tmp_path: Path
+) -> None:
+    """zsh runs `P ''=ls` as `P /usr/bin/ls`: a card showing the argv [P, "=ls"] would lie."""
+    printer = tmp_path / "print-argv"
+    printer.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    printer.chmod(0o755)
+    b = rules_bastion
+    agent = b.agent()
+    rid = agent.start(f"{printer} x", host="pc")
+    b.answer(b.next_card(), True)  # session
+    b.answer(b.next_card(), True)  # the command: a control, it runs
+    assert json.loads(agent.wait(rid).stdout) == ["x"]
+    command = f"{printer} ''=ls"
+    offline = check_command(b, "pc", command)
+    rid = agent.start(command, host="pc")
+    card = b.next_card()
+    assert card["argv"] is None, card["argv"]
+    equals = len(str(printer)) + 3
+    assert [(c["offset"], c["text"]) for c in card["shell_syntax"]] == [(equals, "=")]
+    assert offline["verdict"] == "command_card"
+    assert [c["offset"] for c in offline["shell_syntax"]] == [equals]
+    b.answer(card, False)
+    assert agent.wait(rid).code == "CALL_DENIED"
+
+
+def test_an_allow_rule_cannot_be_met_with_a_word_zsh_expands(
+    tmp_path: Path, zsh_sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """`cp * DEST/` is meant for a file by name; zsh makes `''=zsh` /usr/bin/zsh."""
+    dest, source = tmp_path / "dest", tmp_path / "notes.txt"
+    dest.mkdir()
+    source.write_text("notes\n")
+    rules = [f"cp * {dest}/"]
+    b = make_bastion(
+        tmp_path / "b", zsh_sshd, client_key[0], policy=two_accounts(zsh_sshd, rules, "zsh")
+    )
+    try:
+        agent = b.agent()
+        rid = agent.start(f"cp {source} {dest}/", host="plain")  # the control: it runs
+        b.answer(b.next_card(), True)
+        assert agent.wait(rid).rc == 0 and (dest / "notes.txt").exists()
+        attack = f"cp ''=zsh {dest}/"
+        refused = agent.run(attack, host="plain")
+        copied = sorted(p.name for p in dest.iterdir())
+        assert (refused.rc, refused.code, copied) == (77, "POLICY_DENIED", ["notes.txt"])
+        assert refused.error is not None and "'=' at byte 5" in refused.error["message"]
+        offline = check_command(b, "plain", attack)
+        assert (offline["verdict"], offline["code"]) == ("denied", "POLICY_DENIED")
+    finally:
+        b.close()
 
 
 # -- check-command agrees with the live gateway on every rule of the shipped example --------------

@@ -480,9 +480,9 @@ def test_shell_source_per_mode() -> None:
     assert not needs_command_card(carded, check_command(carded, "ls -l"))
     allowed = account_of("")
     assert not needs_command_card(allowed, check_command(allowed, source))
-    per_command = account_of('preapproved = ["ls ..."]', "per-command")
+    per_command = account_of('preapproved = ["ls -l ..."]', "per-command")
     assert needs_command_card(per_command, check_command(per_command, source))
-    assert preapproval(per_command, check_command(per_command, "ls -l")) == "ls ..."
+    assert preapproval(per_command, check_command(per_command, "ls -l")) == "ls -l ..."
     assert preapproval(per_command, check_command(per_command, "ls -l | head")) is None
 
 
@@ -491,6 +491,37 @@ def test_deny_matches_the_string_and_the_argv() -> None:
     assert not check_command(account, "echo x; rm -rf /").allowed  # the string
     assert not check_command(account, "r''m -r -f /tmp/x").allowed  # the argv
     assert check_command(account, "echo rm").allowed
+
+
+# --- options: admitted only where spelled; deny keeps catching them -------------------------
+
+
+def test_allow_and_preapproved_admit_an_option_only_where_spelled() -> None:
+    account = account_of(
+        'preapproved = ["journalctl -u * ...", "journalctl -u * --since *"]',
+        "per-command",
+        allow='["journalctl -u * ...", "journalctl -u * --since *", "git log -* ..."]',
+    )
+    assert preapproval(account, check_command(account, "journalctl -u app")) is not None
+    spelled = check_command(account, "journalctl -u app --since today")
+    assert spelled.rule == "journalctl -u * --since *"
+    assert preapproval(account, spelled) == "journalctl -u * --since *"
+    assert check_command(account, "git log --oneline").rule == "git log -* ..."
+    refused = check_command(account, "journalctl -u app --vacuum-time=1s")
+    assert not refused.allowed
+    assert [(u.rule, u.word, u.pattern) for u in refused.unspelled] == [
+        ("journalctl -u * ...", "--vacuum-time=1s", "..."),
+    ]
+    assert "'--vacuum-time=1s' (word 4) is an option" in refused.reason
+    assert refused.reason.count("allowed: ") == 1
+
+
+def test_a_deny_rule_keeps_matching_options() -> None:
+    account = account_of('deny = ["rm * ...", "systemctl * --host=*"]')
+    for command in ("rm -rf /", "rm -- -x", "systemctl status --host=a x"):
+        check = check_command(account, command)
+        assert not check.allowed and check.rule is not None and "deny rule" in check.reason
+    assert check_command(account, "ls -la").allowed
 
 
 @pytest.mark.parametrize("shell", ["fish", "csh", "tcsh", "nu", "powershell"])
