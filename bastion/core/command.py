@@ -182,6 +182,8 @@ def _byte_offsets(text: str, positions: list[int]) -> list[int]:
 def read_command(command: str) -> Reading:
     """The argv the target's shell would run, or why it is shell source."""
     words, found = _scan(command, patterns=False)
+    if command.startswith("-"):  # sshd runs `$SHELL -c COMMAND`: the shell takes it as its own
+        found.append((0, "-", "a leading '-': the target's shell reads it as its own option"))
     if words and "=" in words[0] and not found:
         found.append((command.index("="), "=", "variable assignment before the command"))
     if words and words[0] in _RESERVED and not found:

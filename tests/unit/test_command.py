@@ -265,3 +265,13 @@ def test_the_command_is_shown_escaped_with_its_constructs_marked() -> None:
     shown, marks = escape_command_marked(command, [7, 8])
     assert shown == "echo \\u00e9;\\x1b[31m x"
     assert [shown[a:b] for a, b in marks] == [";", "\\x1b"]
+
+
+def test_a_command_that_begins_with_a_dash_is_the_shells_own_option() -> None:
+    """sshd runs `$SHELL -c COMMAND`: a command string that begins with `-` is read by
+    the shell as one of its own options (`bash -c -x`), not as a program to run, so no
+    argv can be claimed for it. After a blank it is a command name again."""
+    reading = read_command("-oProxyCommand=touch x")
+    assert reading.argv is None
+    assert [(c.offset, c.text) for c in reading.constructs][0] == (0, "-")
+    assert read_command(" -V").argv == ("-V",)
