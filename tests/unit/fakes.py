@@ -119,6 +119,9 @@ class FakeJournal:
     def of(self, kind: EventType) -> list[Rec]:
         return [r for r in self.records if r.type == kind.value]
 
+    def for_kind(self, kind: EventType, rid: str) -> list[Rec]:
+        return [r for r in self.of(kind) if r.meta.get("request_id") == rid]
+
     def for_request(self, rid: str) -> list[str]:
         return [r.type for r in self.records if r.meta.get("request_id") == rid]
 

@@ -273,5 +273,5 @@ def test_a_command_that_begins_with_a_dash_is_the_shells_own_option() -> None:
     argv can be claimed for it. After a blank it is a command name again."""
     reading = read_command("-oProxyCommand=touch x")
     assert reading.argv is None
-    assert [(c.offset, c.text) for c in reading.constructs][0] == (0, "-")
+    assert (reading.constructs[0].offset, reading.constructs[0].text) == (0, "-")
     assert read_command(" -V").argv == ("-V",)

@@ -7,6 +7,8 @@ let cards time out; the vault locks (with or without ending commands in
 flight) and unlocks; the gateway is killed and restarted; sessions are
 revoked; processes exit or exec into another binary; the policy is edited or
 broken; targets accept, refuse, finish or cut off commands; time passes.
+Half the sequences run with a witness, which confirms (or cannot confirm) each
+intent's head when a step says so.
 
 Invariants:
   * nothing is sent without an unlocked vault, a live session grant of this
@@ -15,9 +17,11 @@ Invariants:
     for exactly those bytes, spent at that moment and never before;
   * nothing asked while the vault was locked is ever sent;
   * a command grant is spent at most once;
+  * with a witness, nothing is sent whose intent the witness did not confirm;
   * every request ends with exactly one terminal record (after the final
     restart, which closes what a killed lifetime left open), and every
-    dispatched one with exactly one outcome;
+    dispatched one with exactly one outcome -- or, with a witness that could not
+    confirm its intent, a denial (nothing was sent);
   * no task dies of an unexpected exception.
 
 The default tier runs a few hundred sequences; `BASTION_THOROUGH=1` runs
@@ -85,6 +89,27 @@ E = EventType
 TERMINAL_TYPES = frozenset(k.value for k in TERMINAL)
 
 
+class FakeWitness:
+    """Holds each intent's confirmation until a step gives it (or says it cannot)."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[int, asyncio.Future[str | None]]] = []
+        self.confirmed: set[int] = set()
+
+    async def __call__(self, seq: int) -> str | None:
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self.waiting.append((seq, fut))
+        return await fut
+
+    def answer(self, i: int, ok: bool) -> None:
+        self.waiting = [(seq, fut) for seq, fut in self.waiting if not fut.done()]
+        if self.waiting:
+            seq, fut = self.waiting.pop(i % len(self.waiting))
+            if ok:
+                self.confirmed.add(seq)
+            fut.set_result(None if ok else "the audit witness did not confirm the intent")
+
+
 class GatewayMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -102,6 +127,7 @@ class GatewayMachine(RuleBasedStateMachine):
         self.violations: list[str] = []
         self.ended: set[str] = set()
         self.checked = 0
+        self.witness: FakeWitness | None = None
         self.log_level = LOG.level
         LOG.setLevel(logging.CRITICAL)  # restarts and broken policies are loud by design
         self.life = self.new_lifetime()
@@ -115,6 +141,8 @@ class GatewayMachine(RuleBasedStateMachine):
         outbound = FakeOutbound()
         life = Lifetime(self.vault, self.policy, self.journal, self.tree, outbound, self.clock)
         outbound.on_send = lambda call: self.check_send(life, call)
+        if self.witness is not None:
+            self.witness = life.service.witnessed = FakeWitness()  # a new process's waits
         return life
 
     def settle(self) -> None:
@@ -140,6 +168,11 @@ class GatewayMachine(RuleBasedStateMachine):
             self.violated(f"{rid}: asked while locked, sent later")
         if not self.tree.alive(subject.pid, subject.start_time):
             self.violated(f"{rid}: sent for a process that exited")
+        if self.witness is not None:
+            intents = [r.seq for r in self.journal.for_kind(E.DISPATCH_STARTED, rid)]
+            if len(intents) != 1 or intents[0] not in self.witness.confirmed:
+                self.violated(f"{rid}: sent before the witness confirmed its intent")
+            event("sent after the witness confirmed its intent")
         current = self.policy.value
         if isinstance(current, PolicyError):
             return self.violated(f"{rid}: sent with no valid policy")
@@ -174,9 +207,12 @@ class GatewayMachine(RuleBasedStateMachine):
 
     # -- agents ------------------------------------------------------------------------------
 
-    @initialize()
-    def a_working_gateway(self) -> None:
-        """Start where work happens: unlocked, two agents, each connected as both accounts."""
+    @initialize(witnessed=st.booleans())
+    def a_working_gateway(self, witnessed: bool) -> None:
+        """Start where work happens: unlocked, two agents, each connected as both accounts
+        (and, half the time, a witness that must confirm every intent)."""
+        if witnessed:
+            self.witness = self.life.service.witnessed = FakeWitness()
         self.run(self.life.authority.unlock(PASSPHRASE))
         for _ in range(2):
             agent = self.tree.spawn()
@@ -231,6 +267,8 @@ class GatewayMachine(RuleBasedStateMachine):
         if stages >= 2:
             self.every_target_answers()
         if stages >= 3:
+            while self.witness is not None and any(not f.done() for _, f in self.witness.waiting):
+                self.witness_answers(0, True)
             for call in self.life.outbound.running():
                 call.finish(Result(Outcome.COMPLETED, exit_status=0))
             self.settle()
@@ -324,6 +362,13 @@ class GatewayMachine(RuleBasedStateMachine):
             waiting[i % len(waiting)].connect(ok)
             self.settle()
 
+    @rule(i=st.integers(0, 7), ok=st.booleans())
+    def witness_answers(self, i: int, ok: bool) -> None:
+        if self.witness is not None and self.witness.waiting:
+            event(f"witness {'confirms' if ok else 'cannot confirm'} an intent")
+            self.witness.answer(i, ok)
+            self.settle()
+
     @rule()
     def every_target_answers(self) -> None:
         for call in self.life.outbound.waiting():
@@ -403,12 +448,16 @@ class GatewayMachine(RuleBasedStateMachine):
             ]
             assert sorted(terminal) == sorted(received)
             dispatched = {r.meta["request_id"] for r in self.journal.of(E.DISPATCH_STARTED)}
-            outcomes = [
+            endings = [  # an outcome; with a witness, a denial (it could not confirm)
                 r.meta["request_id"]
                 for r in self.journal.records
-                if EventType(r.type).outcome is not None and r.meta["request_id"] in dispatched
+                if r.meta.get("request_id") in dispatched
+                and (
+                    EventType(r.type).outcome is not None
+                    or (self.witness is not None and r.type == E.DENIED.value)
+                )
             ]
-            assert sorted(outcomes) == sorted(dispatched)
+            assert sorted(endings) == sorted(dispatched)
         finally:
             for task in self.tasks:
                 task.cancel()
