@@ -1,4 +1,8 @@
-"""What every `bastion` subcommand shares: errors, output, the home, the gateway, passphrases."""
+"""What every `bastion` subcommand shares: errors, output, the home, the gateway, passphrases.
+
+Output: every line a command prints for a person (`emit`'s text, `fail`'s
+message) passes through `core.display.escape_text`, whatever it holds.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +16,27 @@ from typing import Any, NoReturn
 import click
 
 from bastion import opsock
+from bastion.core.display import escape_text
 from bastion.home import Home
 
 KEYRING_SERVICE = "bastion"
 HOST_KEY_ALIAS = "bastion-gateway"
 
 
+def shown(text: str) -> str:
+    """Text for a person, line by line: each line escaped, tabs kept between fields."""
+    return "\n".join(
+        "\t".join(escape_text(field) for field in line.split("\t")) for line in text.split("\n")
+    )
+
+
 def fail(message: str, status: int = 1) -> NoReturn:
-    click.echo(f"bastion: {message}", err=True)
+    click.echo(f"bastion: {shown(message)}", err=True)
     sys.exit(status)
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
-    click.echo(json.dumps(data, indent=2) if as_json else human(data))
+    click.echo(json.dumps(data, indent=2) if as_json else shown(human(data)))
 
 
 def home_of(ctx: click.Context) -> Home:
