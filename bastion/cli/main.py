@@ -29,6 +29,7 @@ from bastion.cli.common import (
     fail,
     home_of,
     op,
+    passphrase_option,
     read_passphrase,
     save_to_keyring,
 )
@@ -72,7 +73,7 @@ for command in (*COMMANDS, mcp, doctor, service, comp.completion):
 
 
 @main.command()
-@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@passphrase_option()
 @click.option(
     "--keyring",
     "use_keyring",
@@ -264,7 +265,7 @@ def _isolation_of(home: Home) -> Isolation | None:
 
 
 @main.command()
-@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@passphrase_option()
 @click.option("--keyring", "use_keyring", is_flag=True, help="Read it from the OS keyring.")
 @click.option("--store-keyring", is_flag=True, help="After unlocking, store it in the keyring.")
 @click.pass_context
