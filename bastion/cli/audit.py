@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from bastion import opsock
-from bastion.cli.common import emit, fail, home_of, read_passphrase
+from bastion.cli.common import emit, fail, home_of, passphrase_option, read_passphrase
 from bastion.cli.export import export
 from bastion.core.display import escape_text
 
@@ -165,7 +165,7 @@ def _view_command(name: str, row: Callable[[dict[str, Any]], str], empty: str, d
 
     @audit.command(name, help=doc)
     @click.option("--json", "as_json", is_flag=True)
-    @click.option("--passphrase-stdin", is_flag=True, help="Read the journal without a gateway.")
+    @passphrase_option("Read the journal without a gateway.")
     @click.option(
         "--keyring",
         "use_keyring",

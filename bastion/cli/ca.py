@@ -16,13 +16,19 @@ process could read them -- and are never printed.
 
 from __future__ import annotations
 
-import getpass
 import sys
 from typing import Any
 
 import click
 
-from bastion.cli.common import LineStdin, emit, fail
+from bastion.cli.common import (
+    LineStdin,
+    ask_secret,
+    emit,
+    fail,
+    passphrase_option,
+    read_secret_line,
+)
 from bastion.cli.completion import complete_retirable_ca
 from bastion.cli.keys import vault_call
 
@@ -51,7 +57,7 @@ def _type_option(command: Any) -> Any:
 
 
 def _passphrase_option(command: Any) -> Any:
-    return click.option("--passphrase-stdin", is_flag=True, help=PASSPHRASE_HELP)(command)
+    return passphrase_option(PASSPHRASE_HELP)(command)
 
 
 @ca.command("init")
@@ -126,10 +132,7 @@ def ca_retire(ctx: click.Context, which: str, passphrase_stdin: bool) -> None:
 def _read_secret(prompt: str, what: str) -> str:
     """One secret line: from a terminal without echo, else stdin's next line."""
     try:
-        if sys.stdin.isatty():
-            secret = getpass.getpass(prompt)
-        else:
-            secret = sys.stdin.buffer.readline().rstrip(b"\r\n").decode()
+        secret = (ask_secret(prompt) if sys.stdin.isatty() else read_secret_line()).decode()
     except (EOFError, UnicodeDecodeError):
         secret = ""
     if not secret:
@@ -145,11 +148,7 @@ def _read_secret(prompt: str, what: str) -> str:
     default=None,
     help="Log in with this AppRole; its secret id is read from stdin (or prompted for).",
 )
-@click.option(
-    "--passphrase-stdin",
-    is_flag=True,
-    help="Vault passphrase on stdin's first line, before the token (no gateway running).",
-)
+@passphrase_option("Vault passphrase on stdin's first line, before the token (no gateway running).")
 @click.pass_context
 def ca_openbao_login(ctx: click.Context, role_id: str | None, passphrase_stdin: bool) -> None:
     """Seal the OpenBao login in the vault.
@@ -159,7 +158,7 @@ def ca_openbao_login(ctx: click.Context, role_id: str | None, passphrase_stdin: 
     from stdin (or a prompt that does not echo), never from the command line or a
     plain file, and is kept only in the vault, encrypted like the keys. Running it
     again replaces the login."""
-    vault_pass = sys.stdin.buffer.readline() if passphrase_stdin else None
+    vault_pass = read_secret_line() if passphrase_stdin else None
     args: dict[str, Any]
     if role_id is None:
         args = {"token": _read_secret("OpenBao token: ", "OpenBao token")}

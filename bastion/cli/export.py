@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from bastion import opsock
-from bastion.cli.common import fail, home_of, read_passphrase
+from bastion.cli.common import fail, home_of, passphrase_option, read_passphrase
 
 if TYPE_CHECKING:
     from bastion.journal import Record
@@ -388,7 +388,7 @@ def from_files(records: Iterable[Record], identity: Any, out: Output, with_comma
     help="Only records with seq > SEQ (resume after the last seq you got).",
 )
 @click.option("--with-commands", is_flag=True, help="Include command text (it may hold secrets).")
-@click.option("--passphrase-stdin", is_flag=True, help="Read the journal files without a gateway.")
+@passphrase_option("Read the journal files without a gateway.")
 @click.option(
     "--keyring", "use_keyring", is_flag=True, help="Read the vault passphrase from the OS keyring."
 )

@@ -7,7 +7,6 @@ the CLI starts.
 
 from __future__ import annotations
 
-import getpass
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,16 @@ from typing import Any
 import click
 
 from bastion import opsock
-from bastion.cli.common import LineStdin, emit, fail, home_of, read_passphrase
+from bastion.cli.common import (
+    LineStdin,
+    ask_secret,
+    emit,
+    fail,
+    home_of,
+    passphrase_option,
+    read_passphrase,
+    read_secret_line,
+)
 from bastion.cli.completion import complete_key_label, complete_own_key_label
 
 
@@ -58,7 +66,7 @@ def _key_line(k: dict[str, Any]) -> str:
     show_default=True,
     type=click.Choice(["ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa"]),
 )
-@click.option("--passphrase-stdin", is_flag=True, help="Vault passphrase (no gateway running).")
+@passphrase_option("Vault passphrase (no gateway running).")
 @click.pass_context
 def key_generate(ctx: click.Context, label: str, algorithm: str, passphrase_stdin: bool) -> None:
     """Create a key in the vault and print its public half."""
@@ -69,11 +77,7 @@ def key_generate(ctx: click.Context, label: str, algorithm: str, passphrase_stdi
 @key.command("import")
 @click.argument("label")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--passphrase-stdin",
-    is_flag=True,
-    help="Vault passphrase on stdin's first line (no gateway running).",
-)
+@passphrase_option("Vault passphrase on stdin's first line (no gateway running).")
 @click.option(
     "--key-passphrase-stdin",
     is_flag=True,
@@ -87,15 +91,15 @@ def key_import(
     from bastion.vault import KeyFilePassphraseNeeded, VaultError, load_private_key_file
 
     data = file.read_bytes()
-    vault_pass = sys.stdin.buffer.readline() if passphrase_stdin and key_passphrase_stdin else None
+    vault_pass = read_secret_line() if passphrase_stdin and key_passphrase_stdin else None
     try:
         try:
             private = load_private_key_file(data, None)
         except KeyFilePassphraseNeeded:
             if key_passphrase_stdin:
-                secret = sys.stdin.buffer.readline().rstrip(b"\r\n")
+                secret = read_secret_line()
             elif sys.stdin.isatty():
-                secret = getpass.getpass(f"Passphrase for {file}: ").encode()
+                secret = ask_secret(f"Passphrase for {file}: ")
             else:
                 fail(f"{file} is encrypted; give its passphrase with --key-passphrase-stdin")
             private = load_private_key_file(data, secret)
@@ -129,7 +133,7 @@ def key_public(ctx: click.Context, label: str, as_json: bool) -> None:
 
 @key.command("remove")
 @click.argument("label", shell_complete=complete_own_key_label)
-@click.option("--passphrase-stdin", is_flag=True, help="Vault passphrase (no gateway running).")
+@passphrase_option("Vault passphrase (no gateway running).")
 @click.pass_context
 def key_remove(ctx: click.Context, label: str, passphrase_stdin: bool) -> None:
     """Delete a key from the vault."""

@@ -29,6 +29,7 @@ from bastion.cli.common import (
     fail,
     home_of,
     op,
+    passphrase_option,
     read_passphrase,
     save_to_keyring,
 )
@@ -69,7 +70,7 @@ for command in (*COMMANDS, daemon, mcp, doctor, service, comp.completion):
 
 
 @main.command()
-@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@passphrase_option()
 @click.option(
     "--keyring",
     "use_keyring",
@@ -118,7 +119,7 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
 
 
 @main.command()
-@click.option("--passphrase-stdin", is_flag=True, help="Read the vault passphrase from stdin.")
+@passphrase_option()
 @click.option("--keyring", "use_keyring", is_flag=True, help="Read it from the OS keyring.")
 @click.option("--store-keyring", is_flag=True, help="After unlocking, store it in the keyring.")
 @click.pass_context

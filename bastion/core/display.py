@@ -1,22 +1,57 @@
 """What a person is shown: strings that cannot drive or fool a terminal.
 
-Every string a card or a notice shows -- the command, the conversation ref,
-executable paths, command lines, host aliases, labels, reasons -- comes from
-somewhere an agent could influence. `escape_text` is the one function they
-all pass through before they reach a terminal: control characters (ESC,
-CR, ...), bidirectional overrides and isolates, zero-width and other
-invisible format characters, line and paragraph separators become visible
-`\\x..`/`\\u....` escapes. It leaves every other character alone, so applying
-it twice changes nothing. `escape_command` is stricter, for the one string a
-person approves byte for byte: only printable ASCII stays as it is.
+Every string a card, a notice, a CLI line or a log line shows -- the command,
+the conversation ref, executable paths, command lines, host aliases, labels,
+reasons -- comes from somewhere an agent could influence. `escape_text` is the
+one function they all pass through before they reach a terminal. It is an
+allowlist, not a list of what to escape: a character stays as it is only if it
+draws something and moves the cursor one cell or two -- a letter, digit,
+punctuation mark or symbol (Unicode categories L*, N*, P*, S*), or the ASCII
+space -- and is not one of the few in those categories that draw nothing
+(`BLANK`). Everything else becomes a visible `\\x..`/`\\u....`/`\\U........`
+escape: control characters (ESC, CR, ...), format characters (bidi controls,
+zero-width characters, tags, the BOM), combining marks (which draw over the
+character before them), every separator but the space (line and paragraph
+separators, no-break and ideographic spaces), surrogates, private use and
+code points this Python's Unicode tables do not know. An escape is made of
+allowed ASCII, so applying the function twice changes nothing; the escapes
+are fixed-length, so text without a backslash is shown differently for every
+different input. `escape_command` is stricter, for the one string a person
+approves byte for byte: only printable ASCII stays as it is.
 """
 
 from __future__ import annotations
 
 import unicodedata
 
-# Unicode categories that render as nothing, or move the cursor, or reorder text.
-_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+# The categories whose characters draw a glyph of their own and advance the cursor:
+# letters, numbers, punctuation, symbols. Not marks (M*: drawn over their neighbour),
+# separators (Z*), or others (C*: controls, formats, surrogates, private use, unassigned).
+SHOWN_CATEGORIES = frozenset(
+    {"Lu", "Ll", "Lt", "Lm", "Lo", "Nd", "Nl", "No"}
+    | {"Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "Sm", "Sc", "Sk", "So"}
+)
+# Characters in those categories that draw nothing, so a name could hide in them:
+# the Hangul fillers (Lo; default-ignorable in Unicode), the blank braille pattern
+# and the null notehead (So). Variation selectors, tags and U+FEFF need no entry:
+# they are marks or formats, outside the categories above.
+BLANK = frozenset(
+    {
+        0x115F,  # HANGUL CHOSEONG FILLER
+        0x1160,  # HANGUL JUNGSEONG FILLER
+        0x3164,  # HANGUL FILLER
+        0xFFA0,  # HALFWIDTH HANGUL FILLER
+        0x2800,  # BRAILLE PATTERN BLANK
+        0x1D159,  # MUSICAL SYMBOL NULL NOTEHEAD
+    }
+)
+
+
+def is_shown(ch: str) -> bool:
+    """Does this one character stay as it is on a person's screen?"""
+    if ch == " ":
+        return True
+    return unicodedata.category(ch) in SHOWN_CATEGORIES and ord(ch) not in BLANK
 
 
 def _escape_char(ch: str) -> str:
@@ -31,10 +66,10 @@ def _escape_char(ch: str) -> str:
 
 
 def escape_text(text: str) -> str:
-    """Any shown string: hidden and control characters escaped, the rest as is."""
+    """Any shown string: every character not on the allowlist escaped, the rest as is."""
     if text.isascii() and text.isprintable():
         return text
-    return "".join(_escape_char(ch) if unicodedata.category(ch) in _HIDDEN else ch for ch in text)
+    return "".join(ch if is_shown(ch) else _escape_char(ch) for ch in text)
 
 
 def escape_command(command: bytes) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncssh
 
-from bastion import opsock, sdnotify
+from bastion import logfmt, opsock, sdnotify
 from bastion.ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import Auth
@@ -442,7 +442,7 @@ def harden_process() -> list[str]:
 
 
 def run_daemon(settings: Settings) -> None:
-    logging.basicConfig(level=logging.INFO, format="bastion[%(process)d]: %(message)s")
+    logfmt.setup(logging.INFO)  # every line of the log escaped (logfmt.py)
     for note in harden_process():
         log.warning("%s", note)
     # asyncssh logs every exec'd command at INFO; commands may carry secrets.

@@ -1,15 +1,27 @@
 """Same-uid mode, as hard as it can be (issue 9): an agent below `bastion run`
 cannot escape its tree to answer for the operator, and the gateway's memory
-is closed to processes of its own uid that hold no privilege."""
+is closed to processes of its own uid that hold no privilege -- and so is the
+memory of every CLI command that reads the passphrase (issue 18)."""
 
 from __future__ import annotations
 
+import array
+import contextlib
+import fcntl
+import os
+import select
 import subprocess
 import sys
+import termios
+from collections.abc import Iterator
 from pathlib import Path
 
-from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import Agent, Bastion, make_bastion, wait_for
+import click
+import pytest
+
+from bastion.cli.main import main as cli_main
+from bastion.devtools.sshd_fixture import Sshd, SshdInfo
+from tests.harness import PASSPHRASE, Agent, Bastion, cli_argv, make_bastion, wait_for
 
 PR_SET_DUMPABLE_READER = """
 import ctypes, sys
@@ -108,3 +120,214 @@ def test_lock_leaves_no_key_object_in_the_gateway(bastion: Bastion) -> None:
     assert held["vault_keys"] >= 1 and held["connections"] >= 1  # the counters can tell
     bastion.cli("lock")
     assert bastion.op("status")["keys_held"] == {"vault_keys": 0, "connections": 0}
+
+
+# -- the operator's own processes (issue 18) -------------------------------------------------
+
+# How to make each command that takes --passphrase-stdin wait for the passphrase, with
+# no gateway running. A meta-test keeps the table complete.
+WAITING_FOR_THE_PASSPHRASE: dict[tuple[str, ...], list[str]] = {
+    ("init",): ["--home", "{fresh}", "init", "--passphrase-stdin"],
+    ("unlock",): ["unlock", "--passphrase-stdin"],
+    ("key", "generate"): ["key", "generate", "k2", "--passphrase-stdin"],
+    ("key", "import"): ["key", "import", "k3", "{key}", "--passphrase-stdin"],
+    ("key", "remove"): ["key", "remove", "deploy-key", "--passphrase-stdin"],
+    ("ca", "init"): ["ca", "init", "--passphrase-stdin"],
+    ("ca", "rotate"): ["ca", "rotate", "--passphrase-stdin"],
+    ("ca", "retire"): ["ca", "retire", "bastion-ca-1", "--passphrase-stdin"],
+    ("ca", "openbao-login"): ["ca", "openbao-login", "--passphrase-stdin"],
+    ("audit", "activity"): ["audit", "activity", "--passphrase-stdin"],
+    ("audit", "sessions"): ["audit", "sessions", "--passphrase-stdin"],
+    ("audit", "export"): ["audit", "export", "--passphrase-stdin"],
+}
+
+
+def passphrase_commands(
+    command: click.Command = cli_main, path: tuple[str, ...] = ()
+) -> Iterator[tuple[str, ...]]:
+    """Every leaf command of the CLI that takes --passphrase-stdin."""
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            yield from passphrase_commands(sub, (*path, name))
+    elif any(p.name == "passphrase_stdin" for p in command.params):
+        yield path
+
+
+def tree(pid: int) -> list[int]:
+    """A process and its descendants (read as root, whatever their dumpability)."""
+    found = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                found += tree(int(child))
+    return found
+
+
+def reading_stdin(pid: int) -> bool:
+    """Is some process of this tree blocked in read(0, ...)? (/proc/PID/syscall)"""
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{p}/syscall").read_text().split()[:2] == ["0", "0x0"]:
+                return True
+    return False
+
+
+def unread(pipe_end: int) -> int:
+    """Bytes written to a pipe that nobody has read yet."""
+    n = array.array("i", [0])
+    fcntl.ioctl(pipe_end, termios.FIONREAD, n)
+    return n[0]
+
+
+def test_every_command_that_takes_a_passphrase_is_in_the_table() -> None:
+    assert sorted(passphrase_commands()) == sorted(WAITING_FOR_THE_PASSPHRASE)
+
+
+@pytest.fixture(scope="module")
+def offline_home(
+    tmp_path_factory: pytest.TempPathFactory, sshd_server: Sshd, client_key: tuple[Path, str]
+) -> Iterator[Bastion]:
+    """A home with a CA and keys, and no gateway: every command asks for the passphrase."""
+    assert sshd_server.info is not None
+    b = make_bastion(
+        tmp_path_factory.mktemp("offline"), sshd_server.info, client_key[0], start=False
+    )
+    b.cli("ca", "init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
+    yield b
+
+
+@pytest.mark.parametrize("path", sorted(WAITING_FOR_THE_PASSPHRASE), ids=lambda p: "-".join(p))
+def test_a_command_waiting_for_the_passphrase_is_closed_to_its_own_uid(
+    offline_home: Bastion, client_key: tuple[Path, str], tmp_path: Path, path: tuple[str, ...]
+) -> None:
+    """Started as the operator would, the passphrase not typed yet: a same-uid process
+    without privilege can neither open /proc/PID/mem nor PTRACE_ATTACH, whichever
+    process of the command it tries; an ordinary process of that uid it can."""
+    args = [
+        a.format(fresh=tmp_path / "fresh", key=client_key[0])
+        for a in WAITING_FOR_THE_PASSPHRASE[path]
+    ]
+    argv = [sys.executable, "-m", "bastion.cli", "--home", str(offline_home.home.root), *args]
+    with subprocess.Popen(
+        unprivileged(*argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as cli:
+        try:
+            wait_for(lambda: reading_stdin(cli.pid) or cli.poll() is not None, timeout=30)
+            assert cli.poll() is None, cli.communicate()
+            for pid in tree(cli.pid):
+                assert probe(pid) == "PermissionError errno 1", (pid, path)
+        finally:
+            cli.kill()
+    with subprocess.Popen(unprivileged("sleep", "60")) as ordinary:
+        try:
+            assert probe(ordinary.pid) == "readable attached"
+        finally:
+            ordinary.kill()
+
+
+# Run as a same-uid process with no privilege: start the command itself, stopped at its
+# exec (PTRACE_TRACEME), open its /proc/PID/mem and maps while that is still allowed,
+# let it go, and later look through them for the passphrase. "detach": let it run
+# untraced; "stay": remain its tracer (and resume it at every stop).
+EARLY_READER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+how, control, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    libc.ptrace(0, 0, 0, 0)  # PTRACE_TRACEME: stop at the exec
+    os.execv(argv[0], argv)
+_, status = os.waitpid(pid, 0)
+assert os.WIFSTOPPED(status), status
+mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+maps = os.open(f"/proc/{pid}/maps", os.O_RDONLY)
+print(os.getpid(), flush=True)
+if how == "stay":
+    libc.ptrace(7, pid, 0, 0)  # PTRACE_CONT
+    while True:
+        _, status = os.waitpid(pid, 0)
+        if not os.WIFSTOPPED(status):
+            break
+        libc.ptrace(7, pid, 0, os.WSTOPSIG(status))
+    print("exit", os.waitstatus_to_exitcode(status), flush=True)
+    sys.exit(0)
+libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+secret = os.read(control, 4096).strip()  # told when the command has read it
+text = b""
+while chunk := os.pread(maps, 65536, len(text)):
+    text += chunk
+found = False
+for line in text.decode().splitlines():
+    span, perms = line.split()[:2]
+    start, end = (int(x, 16) for x in span.split("-"))
+    if perms[0] != "r":
+        continue
+    for at in range(start, end, 1 << 20):
+        try:
+            found |= secret in os.pread(mem, min(1 << 20, end - at) + len(secret), at)
+        except OSError:
+            break
+print("found" if found else "not found", flush=True)
+os.waitpid(pid, 0)
+"""
+
+
+def early_reader(b: Bastion, how: str) -> tuple[subprocess.Popen[bytes], int, int]:
+    """`ca openbao-login --passphrase-stdin` (the vault passphrase, then a token, both
+    on stdin) under EARLY_READER; returns it, the command's stdin and the control pipe."""
+    stdin_r, stdin_w = os.pipe()
+    control_r, control_w = os.pipe()
+    argv = cli_argv(b.home.root, "ca", "openbao-login", "--passphrase-stdin")
+    reader = subprocess.Popen(
+        unprivileged("/usr/bin/python3", "-c", EARLY_READER, how, str(control_r), *argv),
+        stdin=stdin_r,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=(control_r,),
+    )
+    os.close(stdin_r)
+    os.close(control_r)
+    return reader, stdin_w, control_w
+
+
+def test_a_memory_opened_before_the_command_closed_it_never_holds_the_passphrase(
+    offline_home: Bastion,
+) -> None:
+    """PR_SET_DUMPABLE does not revoke a /proc/PID/mem opened earlier: a same-uid
+    process that opened it as the command started reads only a process that never
+    reads the passphrase (it waits for its child, which does)."""
+    reader, stdin_w, control_w = early_reader(offline_home, "detach")
+    assert reader.stdout is not None
+    try:
+        prober = int(reader.stdout.readline())  # the command runs below it
+        secret = PASSPHRASE.encode()
+        os.write(stdin_w, secret + b"\n")  # the vault passphrase; the token is not given yet
+        wait_for(lambda: unread(stdin_w) == 0 and reading_stdin(prober), timeout=30)
+        os.write(control_w, secret)
+        assert reader.stdout.readline().strip() == b"not found"
+    finally:
+        os.close(stdin_w)  # the token never comes: the command stops
+        os.close(control_w)
+        _, err = reader.communicate(timeout=30)
+    assert reader.returncode == 0, err
+
+
+def test_a_process_tracing_the_command_gets_no_passphrase(offline_home: Bastion) -> None:
+    """Attached before the command could close itself, a tracer sees all it does: so
+    the command refuses to read the passphrase, and leaves it unread on stdin."""
+    reader, stdin_w, control_w = early_reader(offline_home, "stay")
+    assert reader.stdout is not None
+    try:
+        reader.stdout.readline()
+        secret = PASSPHRASE.encode() + b"\n"
+        os.write(stdin_w, secret)
+        said = select.poll()
+        said.register(reader.stdout, select.POLLIN)
+        wait_for(lambda: said.poll(0) or unread(stdin_w) == 0, timeout=30)
+        assert unread(stdin_w) == len(secret), "the passphrase was read"
+        assert reader.stdout.readline().strip() == b"exit 1"
+    finally:
+        os.close(stdin_w)
+        os.close(control_w)
+        _, err = reader.communicate(timeout=30)
+    assert b"is tracing this one" in err, err
