@@ -13,5 +13,6 @@ KEEPALIVE_COUNT_MAX = 3  # missed keepalives before the connection counts as los
 MAX_COMMAND_BYTES = 64 * 1024  # the longest command a card can show a person
 MAX_ROUNDS = 4  # gate -> card -> gate ...: a request never loops for ever
 MAX_PENDING_CARDS_PER_UID = 32  # cards one uid may have waiting at once
+REQUESTS_REMEMBERED = 65536  # requests whose state the agent socket's `request` answers
 MAX_INFLIGHT = 128  # commands dispatched at once; past it they queue (bastion.toml [limits])
 QUEUE_WAIT = 30.0  # seconds a command may queue for a slot before GATEWAY_BUSY
