@@ -106,8 +106,9 @@ class AgentDoors:
 
     async def register(self, sock: socket.socket, header: dict[str, str], tenant: Tenant) -> str:
         """`bastion run`: the connecting process becomes one subject for its whole
-        tree, for as long as it lives. `bastion mcp`: the connecting process acts
-        for its parent, as a shell would."""
+        tree, for as long as it lives; registering again is the run it already is
+        (the same id, its first label, nothing written). `bastion mcp`: the
+        connecting process acts for its parent, as a shell would."""
         resolver = self.gw.resolver
         if header["register"] == "front":
             info = await self._walk(tenant, resolver.register_front, sock)

@@ -5,9 +5,9 @@
 to decide who is asking. Two things need less, and need it where that walk is
 too dear or has not happened yet: the tenant a connection counts against
 (`tenants.py`, asked for every connection before its walk is queued) needs
-each ancestor's parent and start; an action key's owner (`agent_ssh.py`) needs
-a name for the subject that a gateway restart does not change. Both read one
-file per process here.
+each ancestor's parent and start; an action key's owner (`agent_ssh.py` for a
+request, `agent_doors.py` for a question) needs a name for the subject that a
+gateway restart does not change. Both read one file per process here.
 
 A `Lasting` name is (kernel boot id, pid, start in clock ticks since boot): it
 names one process for the whole life of one kernel boot, whatever the wall
