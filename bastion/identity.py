@@ -101,9 +101,12 @@ def peer_pidfd(sock: socket.socket) -> int | None:
 
 
 def pidfd_exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
-    readable, _, _ = select.select([pidfd], [], [], 0)
-    return bool(readable)
+    """A pidfd polls readable once its process has exited. poll(), not select(): a
+    gateway holding a thousand connections and watches gets descriptors past 1023,
+    which select() refuses (ValueError), and every identification would fail."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class Resolver:

@@ -143,7 +143,7 @@ class Rig:
 
     def approved_agents(self, n: int, batch: int = 16) -> list[Agent]:
         """n agent processes, each with its session card approved (in batches: one uid
-        may have only MAX_PENDING_CARDS_PER_UID cards waiting)."""
+        may have only MAX_PENDING_CARDS_PER_TENANT cards waiting)."""
         b = self.bastion
         assert b is not None
         agents: list[Agent] = []

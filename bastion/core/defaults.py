@@ -12,6 +12,12 @@ KEEPALIVE_INTERVAL = 15.0  # seconds between keepalives to a target
 KEEPALIVE_COUNT_MAX = 3  # missed keepalives before the connection counts as lost
 MAX_COMMAND_BYTES = 64 * 1024  # the longest command a card can show a person
 MAX_ROUNDS = 4  # gate -> card -> gate ...: a request never loops for ever
-MAX_PENDING_CARDS_PER_UID = 32  # cards one uid may have waiting at once
+# The shares one tenant -- a registered run, or a uid outside every run
+# (gateway/tenants.py) -- may hold at once, and the ceilings over all of them.
+MAX_PENDING_CARDS_PER_TENANT = 32  # cards waiting for an operator
+MAX_CONNECTIONS_PER_TENANT = 256  # agent connections open (a descriptor each)
+MAX_AGENT_CONNECTIONS = 4096  # agent connections open, every tenant together
+MAX_RUNS_PER_UID = 256  # live registered runs (a pidfd watch each); runs do not nest
+REQUESTS_REMEMBERED = 65536  # requests whose state the agent socket's `request` answers
 MAX_INFLIGHT = 128  # commands dispatched at once; past it they queue (bastion.toml [limits])
 QUEUE_WAIT = 30.0  # seconds a command may queue for a slot before GATEWAY_BUSY

@@ -11,8 +11,9 @@ Renaming an event is a change to one line of this file.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bastion.core.contract import Code
@@ -147,9 +148,18 @@ class RequestState(enum.Enum):
 # -- action keys ---------------------------------------------------------------------------
 
 
+def bound_action(owner: str, key: str) -> str:
+    """The name an action key is journaled and tracked under: bound to the process
+    that sent it (`owner`, a name that outlives a gateway lifetime: the kernel's
+    boot id, the pid and the start in clock ticks), so an action key belongs to the
+    subject that created it -- another process's acknowledgement or question names
+    another action -- and the same process finds its own after a restart."""
+    return hashlib.sha256(b"bastion-action\0" + owner.encode() + b"\0" + key.encode()).hexdigest()
+
+
 @dataclass
 class ActionKeys:
-    """Which logical actions (BASTION_ACTION_KEY, hashed) must be looked at
+    """Which logical actions (BASTION_ACTION_KEY, bound to their subject) must be looked at
     before they are tried again: an action's last attempt decides -- an unknown
     outcome blocks it, any other outcome clears it, and so does the agent's
     acknowledgement."""
@@ -221,69 +231,88 @@ def recovered_meta(request_id: str, outcome: Outcome) -> dict[str, Any]:
 # -- one request ---------------------------------------------------------------------------
 
 
+_RETRYABLE = frozenset(c.value for c in Code if c.retryable)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStory:
+    """One request's story so far, from plaintext metadata alone: what `bastion
+    request` says of it. `step` reads the request's next record; the same fold
+    answers the CLI (over the whole journal) and the gateway's index (record by
+    record, as each is written)."""
+
+    boot: str  # the lifetime that received it
+    state: RequestState = RequestState.IN_FLIGHT
+    dispatched: bool = False
+    exit_status: int | None = None
+    code: str | None = None
+    more: tuple[tuple[str, Any], ...] = ()  # signal, cause, certificate: the last of each wins
+
+    def step(self, entry: Entry) -> RequestStory:
+        """The story once `entry` (a later record of this request) is read."""
+        kind = event_type(entry)
+        meta = entry.meta
+        if kind is EventType.DISPATCH_STARTED:
+            return replace(self, dispatched=True)
+        if kind is EventType.CERTIFICATE_ISSUED:
+            return self._with(("certificate", certificate_of(entry)))
+        if kind is EventType.DENIED:
+            code = meta.get("code")
+            # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.
+            state = RequestState.RETRY_SAFE if code in _RETRYABLE else RequestState.DENIED
+            return replace(self, state=state, code=code)
+        if kind is EventType.COMPLETED:
+            return replace(self, state=RequestState.COMPLETED, exit_status=meta.get("exit_status"))
+        if kind is EventType.SIGNALLED:
+            done = replace(self, state=RequestState.COMPLETED, code=None)
+            return done._with(("signal", meta.get("signal")))
+        if kind in (EventType.NOT_STARTED, EventType.REMOTE_REJECTED):
+            retry_safe = replace(self, state=RequestState.RETRY_SAFE, code=meta.get("code"))
+            return retry_safe._with(("cause", meta.get("cause")))
+        if kind is EventType.UNKNOWN:
+            unknown = replace(
+                self, state=RequestState.STATUS_UNKNOWN, code=Code.STATUS_UNKNOWN.value
+            )
+            return unknown._with(("cause", meta.get("cause")))
+        return self
+
+    def _with(self, *more: tuple[str, Any]) -> RequestStory:
+        return replace(self, more=(*self.more, *more))
+
+    def answer(self, request_id: str, live_boot: str | None) -> dict[str, Any]:
+        """`bastion request --json`'s object. A request with no outcome whose gateway
+        is gone reads as the next start will close it."""
+        story = self
+        if story.state is RequestState.IN_FLIGHT and story.boot != live_boot:
+            if story.dispatched:
+                story = replace(
+                    story, state=RequestState.STATUS_UNKNOWN, code=Code.STATUS_UNKNOWN.value
+                )
+            else:
+                story = replace(story, state=RequestState.RETRY_SAFE)
+            story = story._with(("cause", CAUSE_STOPPED))
+        return {
+            "request_id": request_id,
+            "state": story.state.value,
+            "exit_status": story.exit_status,
+            "code": story.code,
+            **dict(story.more),
+        }
+
+
 def request_state(
     entries: Iterable[Entry], request_id: str, live_boot: str | None
 ) -> dict[str, Any] | None:
     """What became of one request, from plaintext metadata alone."""
-    state: dict[str, Any] | None = None
-    boot = None
-    dispatched = False
+    story: RequestStory | None = None
     for entry in entries:
         if entry.meta.get("request_id") != request_id:
             continue
-        kind = event_type(entry)
-        if kind is EventType.REQUEST_RECEIVED:
-            state = {
-                "request_id": request_id,
-                "state": RequestState.IN_FLIGHT.value,
-                "exit_status": None,
-                "code": None,
-            }
-            boot = entry.boot
-        elif state is None:
-            continue
-        elif kind is EventType.DISPATCH_STARTED:
-            dispatched = True
-        elif kind is EventType.CERTIFICATE_ISSUED:
-            state["certificate"] = certificate_of(entry)
-        elif kind is EventType.DENIED:
-            code = entry.meta.get("code")
-            # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.
-            retry = code in {c.value for c in Code if c.retryable}
-            state.update(
-                state=(RequestState.RETRY_SAFE if retry else RequestState.DENIED).value, code=code
-            )
-        elif kind is EventType.COMPLETED:
-            state.update(
-                state=RequestState.COMPLETED.value, exit_status=entry.meta.get("exit_status")
-            )
-        elif kind is EventType.SIGNALLED:
-            state.update(
-                state=RequestState.COMPLETED.value, code=None, signal=entry.meta.get("signal")
-            )
-        elif kind in (EventType.NOT_STARTED, EventType.REMOTE_REJECTED):
-            state.update(
-                state=RequestState.RETRY_SAFE.value,
-                code=entry.meta.get("code"),
-                cause=entry.meta.get("cause"),
-            )
-        elif kind is EventType.UNKNOWN:
-            state.update(
-                state=RequestState.STATUS_UNKNOWN.value,
-                code=Code.STATUS_UNKNOWN.value,
-                cause=entry.meta.get("cause"),
-            )
-    if state is not None and state["state"] == RequestState.IN_FLIGHT.value and boot != live_boot:
-        # No outcome and its gateway is gone; the next start closes it the same way.
-        if dispatched:
-            state.update(
-                state=RequestState.STATUS_UNKNOWN.value,
-                code=Code.STATUS_UNKNOWN.value,
-                cause=CAUSE_STOPPED,
-            )
-        else:
-            state.update(state=RequestState.RETRY_SAFE.value, cause=CAUSE_STOPPED)
-    return state
+        if event_type(entry) is EventType.REQUEST_RECEIVED:
+            story = RequestStory(entry.boot)
+        elif story is not None:
+            story = story.step(entry)
+    return None if story is None else story.answer(request_id, live_boot)
 
 
 # -- views (they need the decrypted events) --------------------------------------------------

@@ -9,6 +9,10 @@ either gets a slot or that answer, and is journaled either way.
 
 The wait happens after the gate's decision and before the dispatch, whose final
 check decides again: a lock or revoke while a command waits still stops it.
+
+The same fair slots hold the agent socket's identity walks (`agent_doors.py`:
+a few worker threads, shared per tenant), so a flood of connections from one
+run waits behind its own walks, not in front of everyone's.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ class Busy(Exception):
 
 
 class Admission:
-    def __init__(self, limit: int | None = MAX_INFLIGHT, wait: float = QUEUE_WAIT) -> None:
+    def __init__(
+        self, limit: int | None = MAX_INFLIGHT, wait: float = QUEUE_WAIT, what: str = "commands"
+    ) -> None:
         self.limit = limit  # None: no limit
         self.wait = wait
+        self.what = what  # what holds the slots, for the `Busy` text
         self.inflight = 0
         self._queues: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._turns: collections.deque[Hashable] = collections.deque()  # subjects, in turn
@@ -72,7 +79,7 @@ class Admission:
             self._forget(owner, fut)
             self.refused += 1
             raise Busy(
-                f"{self.inflight} commands are in flight (the limit) and {self.waiting()} wait; "
+                f"{self.inflight} {self.what} are in flight (the limit) and {self.waiting()} wait; "
                 f"none finished within {self.wait:g}s"
             ) from None
         except asyncio.CancelledError:

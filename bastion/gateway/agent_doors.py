@@ -1,39 +1,51 @@
 """The agent socket's doors besides SSH: who is connecting, registrations
 (`bastion run`, `bastion mcp`), and the two questions `bastion mcp` asks.
 
-Each is answered in a worker thread (they read /proc or the journal) before
-any SSH starts, and none of them decides anything: a registration only says
-how the identity walk reads a process that registered *itself*, and the
-answers carry nothing an agent could not learn by trying -- the hosts the
-policy names with their rules (never an address, a port, a host key or a
-credential), and the state of a request whose unguessable id it holds.
+None of them decides anything: a registration only says how the identity walk
+reads a process that registered *itself*, and the answers carry nothing an
+agent could not learn by trying -- the hosts the policy names with their rules
+(never an address, a port, a host key or a credential), the state of a
+request whose unguessable id it holds, and the latest request of an action
+key it sent itself (action keys are bound to their subject).
+
+What each costs is bounded. Identity walks read /proc (about a millisecond),
+so they run in worker threads of their own -- never the default pool the
+journal's fsync and `status` use -- behind fair slots per tenant
+(`tenants.py`): a flood from one run waits behind its own walks. A `run`
+registration costs one journal record and one pidfd watch, once per process
+(registering again is the run it is), at most `MAX_RUNS_PER_UID` live per uid,
+none inside a run. A `request` answer is a lookup in `requests.RequestIndex`,
+never a journal read.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import concurrent.futures
 import logging
 import os
 import socket
-from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from bastion import journal
-from bastion.core import events
 from bastion.core.contract import Code
-from bastion.core.events import EventType
+from bastion.core.events import EventType, bound_action
 from bastion.core.policy import Policy, PolicyError
-from bastion.core.subject import Peer, Subject
+from bastion.core.subject import Peer, Subject, SubjectKind
+from bastion.gateway import procs
+from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.agent_ssh import Doors
 from bastion.gateway.recorder import Recorder
-from bastion.identity import Resolver
+from bastion.gateway.requests import RequestIndex
+from bastion.gateway.tenants import Tenant, Tenants
+from bastion.identity import IdentityError, Resolver, peer_credentials
 
 log = logging.getLogger("bastion.gateway")
 
-ACTIONS_REMEMBERED = 4096  # action key -> latest request id, for `bastion mcp`
+WALKERS = 2  # worker threads for identity walks: /proc reads, mostly under the GIL
+WALK_WAIT = 20.0  # seconds a walk may wait for its turn (the proxy waits 30 s for OK)
+
+T = TypeVar("T")
 
 
 class Lifetime(Protocol):
@@ -51,39 +63,71 @@ class AgentDoors:
     def __init__(
         self,
         gw: Lifetime,
-        loop: asyncio.AbstractEventLoop,
         policy: Callable[[], Policy | PolicyError],
-        journal_dir: Path,
+        requests: RequestIndex,
+        tenants: Tenants,
     ) -> None:
         self.gw = gw
-        self._loop = loop
         self._policy = policy
-        self._journal_dir = journal_dir
-        # The latest request of each action key (hashed), so `bastion mcp` can name
-        # the request it just ran: the agent's ssh hears a request id only on failure.
-        self._actions: OrderedDict[str, str] = OrderedDict()
-        gw.recorder.on_received.append(self._remember_action)
+        self.requests = requests
+        self.tenants = tenants
+        self._pool = concurrent.futures.ThreadPoolExecutor(WALKERS, "bastion-walk")
+        self._turns = Admission(WALKERS, WALK_WAIT, what="identity walks")
 
     def doors(self) -> Doors:
         return Doors(self.identify, self.register, self.query)
 
-    def identify(self, sock: socket.socket) -> Peer:
-        peer = self.gw.resolver.identify(sock)
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _walk(self, tenant: Tenant, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a walker thread once `tenant`'s turn comes. A connection
+        that goes meanwhile keeps its slot until the thread is done with it, so no
+        more than WALKERS walks ever run or wait in the pool itself."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._turns.slot(tenant):
+                done = loop.run_in_executor(self._pool, fn, *args)
+                try:
+                    return await asyncio.shield(done)
+                except asyncio.CancelledError:
+                    await asyncio.wait({done})
+                    raise
+        except Busy as busy:
+            raise IdentityError(
+                f"the gateway is busy identifying connections ({busy}); retry in a few seconds"
+            ) from None
+
+    async def identify(self, sock: socket.socket, tenant: Tenant) -> Peer:
+        peer = await self._walk(tenant, self.gw.resolver.identify, sock)
         if peer.uid == os.getuid():
             self.gw.same_uid_agent_seen = True
         return peer
 
-    def register(self, sock: socket.socket, header: dict[str, str]) -> str:
+    async def register(self, sock: socket.socket, header: dict[str, str], tenant: Tenant) -> str:
         """`bastion run`: the connecting process becomes one subject for its whole
-        tree, for as long as it lives. `bastion mcp`: the connecting process acts
-        for its parent, as a shell would."""
+        tree, for as long as it lives; registering again is the run it already is
+        (the same id, its first label, nothing written). `bastion mcp`: the
+        connecting process acts for its parent, as a shell would."""
         resolver = self.gw.resolver
         if header["register"] == "front":
-            info = resolver.register_front(sock)
+            info = await self._walk(tenant, resolver.register_front, sock)
             log.info("front registered: pid %d (%s)", info.pid, info.exe)
             return f"front_{resolver.nonce_for(info.pid, info.start_time)}"
-        label = header.get("label", "")
-        info = resolver.register_run(sock, label)
+        pid, uid, _ = peer_credentials(sock)
+        run = self.tenants.run_of(pid)
+        if run is not None:  # the run it already is: no new record, no new watch
+            return f"run_{resolver.nonce_for(run.pid, run.start_time)}"
+        key = self.tenants.reserve(pid, uid)
+        try:
+            info = await self._walk(tenant, resolver.register_run, sock, header.get("label", ""))
+            now = procs.stat(pid)
+            if info.pid != pid or now is None or now.start_ticks != key[1]:
+                resolver.forget(info.pid, info.start_time)
+                raise IdentityError("the registering process changed while being identified")
+        except BaseException:
+            self.tenants.cancel(key)
+            raise
         subject = Subject(
             info.pid,
             info.start_time,
@@ -91,43 +135,41 @@ class AgentDoors:
             info.exe_sha256,
             info.uid,
             resolver.nonce_for(info.pid, info.start_time),
-            label,
+            header.get("label", ""),
+            SubjectKind.RUN,
         )
-        self._loop.call_soon_threadsafe(self.gw.watch, subject)
-        self._loop.call_soon_threadsafe(
-            lambda: self.gw.recorder.record(
-                EventType.RUN_REGISTERED, {}, {"subject": subject.as_json()}
-            )
-        )
-        log.info("run registered: pid %d %r (%s)", info.pid, label, info.exe)
+        self.tenants.add(key, subject)
+        self.gw.watch(subject)  # its exit gives the share back (`Gateway._subject_exited`)
+        self.gw.recorder.record(EventType.RUN_REGISTERED, {}, {"subject": subject.as_json()})
+        log.info("run registered: pid %d %r (%s)", info.pid, subject.run, info.exe)
         return f"run_{subject.nonce}"
 
-    def query(self, header: dict[str, str]) -> dict[str, Any]:
+    async def query(
+        self, sock: socket.socket, header: dict[str, str], tenant: Tenant
+    ) -> dict[str, Any]:
+        """`hosts`, or `request` by id (the id is the capability: no walk) or by
+        action key (only the subject that sent the key can name it: one walk)."""
         if header["query"] == "hosts":
             return hosts_view(self._policy())
-        request_id = header.get("request_id") or self._by_action(header.get("action_key", ""))
+        request_id = header.get("request_id")
         if not request_id:
-            raise ValueError("no request with that id or action key")
+            action_key = header.get("action_key")
+            if not action_key:
+                raise ValueError("a request query names a request_id or an action_key")
+            peer = await self.identify(sock, tenant)
+            request_id = self.requests.latest(bound_action(procs.owner(peer.subject), action_key))
+            if request_id is None:
+                raise ValueError("no request with that action key from this process")
         if header.get("only") == "id":
-            return {"request_id": request_id}  # no journal read: asked after every command
-        state = events.request_state(
-            journal.records(self._journal_dir), request_id, self.gw.boot_id
-        )
+            return {"request_id": request_id}
+        state = self.requests.state(request_id, self.gw.boot_id)
         if state is None:
-            raise ValueError(f"no request {request_id} in the journal")
+            raise ValueError(
+                f"no request {request_id} among the last {self.requests.remembered} this "
+                f"gateway remembers; an operator can read older ones with `bastion request "
+                f"{request_id}`"
+            )
         return state
-
-    def _remember_action(self, action: str | None, request_id: str) -> None:
-        if action:
-            self._actions[action] = request_id
-            self._actions.move_to_end(action)
-            while len(self._actions) > ACTIONS_REMEMBERED:
-                self._actions.popitem(last=False)
-
-    def _by_action(self, action_key: str) -> str | None:
-        if not action_key:
-            return None
-        return self._actions.get(hashlib.sha256(action_key.encode()).hexdigest())
 
 
 def hosts_view(policy: Policy | PolicyError) -> dict[str, Any]:

@@ -16,10 +16,16 @@ the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
 nothing.
 
+Every other request on the session channel is answered without touching the
+command's relay (`agent_channel.py`).
+
 The listener stays up: a failed accept (EMFILE, ENFILE, ...) is retried after
 a short pause, a failure inside one connection ends that connection only, and
 every connection is accounted for (`connection_opened` and `connection_closed`
-exactly once each). Each uid has at most `max_per_uid` connections open.
+exactly once each). Each tenant (a registered run, or a uid outside every run:
+`tenants.py`) holds at most `MAX_CONNECTIONS_PER_TENANT` connections, all of
+them together `MAX_AGENT_CONNECTIONS`, counted from accept to close: before the
+header, before the identity walk, whatever the connection turns out to be.
 `health()` says how it is going, for `bastion status`.
 """
 
@@ -28,25 +34,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncssh
-from asyncssh.packet import SSHPacket
 
 from bastion.core.contract import Code, Failure
-from bastion.core.events import Outcome
+from bastion.core.events import Outcome, bound_action
 from bastion.core.gate import Request
 from bastion.core.subject import Peer
+from bastion.gateway import procs
+from bastion.gateway.agent_channel import AgentChannel
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
+from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials
 from bastion.opsock import loads_line
 from bastion.proxy import MAX_HEADER, PROTOCOL
@@ -55,12 +62,9 @@ log = logging.getLogger("bastion.agent")
 
 HEADER_TIMEOUT = 5.0
 OVER_CAP_WAIT = 1.0  # seconds to wait for the header of a connection refused by the cap
+OVER_CAP_PATIENCE = 8  # refusals per tenant that wait for it at once; later ones do not
 MAX_CONVERSATION = 256
 MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
-# A uid's open agent connections. Each costs a descriptor and a little memory, not a
-# dispatch (that is `[limits] inflight`); an agent's finished connection can linger
-# a moment while its next one opens, so 64 busy agents hold up to about 128.
-MAX_CONNECTIONS_PER_UID = 256
 LOCAL_CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]
 MAX_EXTRA_SESSIONS = 8  # answered per connection; beyond, a channel is refused at open
 ACCEPT_RETRY = (0.05, 1.0)  # seconds: first and longest pause after a failed accept
@@ -81,37 +85,20 @@ ONE_COMMAND = (
 )
 
 
-class _ExactCommandChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
-    """Keeps the exec command's exact bytes.
-
-    asyncssh refuses a non-UTF-8 exec request outright, which the agent sees
-    only as "exec request failed". Keeping the bytes lets the gate refuse it
-    with an agent-facing error instead, and lets the digest cover exactly what was sent.
-    """
-
-    exact_command: bytes | None = None
-
-    def _process_exec_request(self, packet: SSHPacket) -> bool:
-        command = packet.get_string()
-        packet.check_end()
-        self.exact_command = command
-        return self._start_session(command=command.decode("utf-8", "surrogateescape"))
-
-
 REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
 QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
 
 
 @dataclass(frozen=True)
 class Doors:
-    """What an agent connection may ask besides SSH, each answered in a worker
-    thread (they read /proc or the journal) and each refused with `IdentityError`
-    or `ValueError`: who is connecting, a registration (`bastion run`, `bastion
-    mcp`), and a query, answered with one JSON line."""
+    """What an agent connection may ask besides SSH (`agent_doors.py`), each given
+    the connection's tenant and each refused with `IdentityError` or `ValueError`:
+    who is connecting, a registration (`bastion run`, `bastion mcp`), and a query,
+    answered with one JSON line."""
 
-    identify: Callable[[socket.socket], Peer]
-    register: Callable[[socket.socket, dict[str, str]], str]
-    query: Callable[[dict[str, str]], dict[str, Any]]
+    identify: Callable[[socket.socket, Tenant], Awaitable[Peer]]
+    register: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[str]]
+    query: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[dict[str, Any]]]
 
 
 async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, str]:
@@ -150,7 +137,7 @@ class AgentListener:
     """Accepts agent connections and hands each to an SSH server.
 
     Who is connecting, registrations and queries are answered through `doors`
-    (in worker threads: /proc walks and journal reads block) before any SSH.
+    before any SSH; every connection counts against its tenant's share (`caps`).
     """
 
     def __init__(
@@ -159,14 +146,15 @@ class AgentListener:
         sock: socket.socket,
         host_key: asyncssh.SSHKey,
         doors: Doors,
-        *,
-        max_per_uid: int = MAX_CONNECTIONS_PER_UID,
+        tenants: Tenants,
+        caps: Caps | None = None,
     ) -> None:
         self.service = service
         self.sock = sock
         self.doors = doors
-        self.max_per_uid = max_per_uid
-        self._per_uid: Counter[int] = Counter()
+        self.tenants = tenants
+        self.caps = caps or Caps()
+        self._refusing: Counter[Tenant] = Counter()  # over-cap connections being answered
         self._health = ListenerHealth("agent")
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[asyncssh.SSHServerConnection] = set()
@@ -190,7 +178,12 @@ class AgentListener:
 
     def health(self) -> dict[str, Any]:
         self._health.connections = len(self._tasks)
-        return self._health.as_json()
+        return {
+            **self._health.as_json(),
+            "limit": self.caps.ceiling,
+            "limit_per_tenant": self.caps.per_tenant,
+            "runs": self.tenants.runs(),
+        }
 
     async def serve(self) -> None:
         """Accept until cancelled. A failed accept (EMFILE: out of descriptors,
@@ -230,48 +223,54 @@ class AgentListener:
         """One connection, from accept to close. Whatever happens, it ends here:
         answered `ERR` before SSH, closed after, its descriptor released and, if it
         was opened to the service, closed to it."""
-        loop = asyncio.get_running_loop()
-        uid: int | None = None
+        held: Tenant | None = None
         try:
-            _, uid, _ = peer_credentials(sock)
-            self._per_uid[uid] += 1
-            if self._per_uid[uid] > self.max_per_uid:
-                # Take the header first (briefly): the proxy reads no answer once a
-                # send has failed, and a socket closed unread makes its send fail.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(_read_header(loop, sock), OVER_CAP_WAIT)
-                await self._refuse(
-                    sock,
-                    TooManyConnections(
-                        f"too many connections from uid {uid} (limit {self.max_per_uid}); "
-                        "close idle ssh connections and retry"
-                    ),
-                )
+            pid, uid, _ = peer_credentials(sock)
+            tenant = self.tenants.of_peer(pid, uid)
+            refusal = self.caps.take(tenant)
+            if refusal is not None:
+                await self._over_cap(sock, tenant, TooManyConnections(refusal))
                 return
-            await self._converse(sock)
+            held = tenant
+            await self._converse(sock, tenant)
         except Exception as exc:
             self._health.failed("connection", exc, trace=not isinstance(exc, _EXPECTED))
         finally:
-            if uid is not None:
-                self._per_uid[uid] -= 1
-                if not self._per_uid[uid]:
-                    del self._per_uid[uid]
+            if held is not None:
+                self.caps.give_back(held)
             sock.close()
 
-    async def _converse(self, sock: socket.socket) -> None:
+    async def _over_cap(self, sock: socket.socket, tenant: Tenant, exc: Exception) -> None:
+        """Take the header first (briefly): the proxy reads no answer once a send has
+        failed, and a socket closed unread makes its send fail. Only a few at a time
+        per tenant wait so: past those, a flood is answered at once."""
+        self._refusing[tenant] += 1
+        try:
+            if self._refusing[tenant] <= OVER_CAP_PATIENCE:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        _read_header(asyncio.get_running_loop(), sock), OVER_CAP_WAIT
+                    )
+            await self._refuse(sock, exc)
+        finally:
+            self._refusing[tenant] -= 1
+            if self._refusing[tenant] <= 0:
+                del self._refusing[tenant]
+
+    async def _converse(self, sock: socket.socket, tenant: Tenant) -> None:
         loop = asyncio.get_running_loop()
         try:
             header = await asyncio.wait_for(_read_header(loop, sock), HEADER_TIMEOUT)
             if "register" in header:
-                reg_id = await asyncio.to_thread(self.doors.register, sock, header)
+                reg_id = await self.doors.register(sock, header, tenant)
                 await loop.sock_sendall(sock, f"OK {reg_id}\n".encode())
                 return
             if "query" in header:
-                answer = await asyncio.to_thread(self.doors.query, header)
+                answer = await self.doors.query(sock, header, tenant)
                 line = json.dumps(answer, ensure_ascii=True, separators=(",", ":"))
                 await loop.sock_sendall(sock, f"OK {line}\n".encode())
                 return
-            peer = await asyncio.to_thread(self.doors.identify, sock)
+            peer = await self.doors.identify(sock, tenant)
         except TimeoutError:
             await self._refuse(sock, TimeoutError(f"no header line within {HEADER_TIMEOUT:g}s"))
             return
@@ -308,7 +307,7 @@ class AgentListener:
 
 
 class TooManyConnections(Exception):
-    """A uid has `max_per_uid` agent connections open already."""
+    """A tenant holds its share of agent connections, or all agents hold the ceiling."""
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:
@@ -357,7 +356,7 @@ class _AgentSSH(asyncssh.SSHServer):
         # A large receive limit lets an oversized command arrive whole, so the
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
-        chan.__class__ = _ExactCommandChannel
+        chan.__class__ = AgentChannel
         extra = self.sessions > 1
         process = asyncssh.SSHServerProcess(
             lambda p: self._exec(p, ONE_COMMAND if extra else None), None, 3, False
@@ -389,12 +388,12 @@ class _AgentSSH(asyncssh.SSHServer):
         conversation = env.get("BASTION_CONVERSATION")
         if conversation is not None:
             conversation = conversation[:MAX_CONVERSATION]
-        action_key = env.get("BASTION_ACTION_KEY")
-        action = hashlib.sha256(action_key.encode()).hexdigest() if action_key else None
-        req = Request(
-            request_id, conn.host, conn.user, command or b"", conn.peer.subject.key, action
-        )
         subject = conn.peer.subject
+        # An action key belongs to the subject that sent it: bound to it here, so
+        # another process's acknowledgement or question names another action.
+        action_key = env.get("BASTION_ACTION_KEY")
+        action = bound_action(procs.owner(subject), action_key) if action_key else None
+        req = Request(request_id, conn.host, conn.user, command or b"", subject.key, action)
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",
             request_id,

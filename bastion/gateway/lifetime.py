@@ -55,7 +55,9 @@ from bastion.gateway.export import export_stream
 from bastion.gateway.issuer import Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, Recorder
+from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.service import PolicyWatch, Service
+from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
     DEFAULT_SESSION_HOSTS,
@@ -117,7 +119,11 @@ class Gateway:
         )
         identity = read_identity(self.home.journal, identity_pin(self.vault))
         self.journal = Journal(self.home.journal, identity, self.boot_id)
-        self.recorder = Recorder(self.journal)
+        # The agent socket's `request` answers, told of every record as it is written.
+        self.requests = RequestIndex()
+        self.recorder = Recorder(IndexedJournal(self.journal, self.requests))
+        self.recorder.on_received.append(self.requests.received)
+        self.tenants = Tenants()  # who each agent-socket share counts: runs, else uids
         # Told of every record once it is on disk (certifications included); sends the
         # heads and the requests' summaries off the box without blocking anything.
         self.witness: Witness | None = None
@@ -248,8 +254,10 @@ class Gateway:
 
     def watch(self, subject: Subject) -> None:
         """End grants and withdraw cards the moment a subject exits (not only
-        when it next asks): a pidfd becomes readable at exit. Called for every
-        card, so it also remembers who ever asked (`agent_processes`)."""
+        when it next asks): a pidfd becomes readable at exit, and the event loop
+        (epoll) watches it whatever its number -- past 1023 too, where select()
+        fails. Called for every card and every registered run, so it also
+        remembers who ever asked (`agent_processes`) and gives a run's share back."""
         self._asked.add((subject.pid, subject.start_time))
         if subject.process_key in self._watches:
             return
@@ -272,6 +280,7 @@ class Gateway:
             os.close(fd)
         self.authority.subject_exited(subject)
         self.resolver.forget(subject.pid, subject.start_time)
+        self.tenants.forget(subject.pid, subject.start_time)  # a run's share goes back
 
     # -- what the next lifetime may know ---------------------------------------------------
 
@@ -310,6 +319,7 @@ class Gateway:
             raise SystemExit(f"bastion: a gateway is already running for {home.root}")
         self._start_witness()
         found = self.journal.open()
+        self.requests.load(found)  # before recovery closes what they left open
         self.service.recover(recover(found))
         self.foreign.found(found, self.journal.identity)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -322,11 +332,13 @@ class Gateway:
             os.getuid(),
             self.agent_processes,
         )
+        doors = AgentDoors(self, self.service.policy.current, self.requests, self.tenants)
         listener = self._agent_listener = AgentListener(
             self.service,
-            self._agent_listen_socket(),
+            agent_listen_socket(self.settings),
             self.host_key,
-            AgentDoors(self, self._loop, self.service.policy.current, self.home.journal).doors(),
+            doors.doors(),
+            self.tenants,
         )
         accept_task = asyncio.create_task(listener.serve())
         policy = self.service.policy.current()
@@ -351,6 +363,7 @@ class Gateway:
             log.info("gateway stopping")
             accept_task.cancel()
             await listener.close()
+            doors.close()
             op_server.close()
             self.dispatcher.close_all()
             self.recorder.record(EventType.GATEWAY_STOPPED, {})
@@ -386,25 +399,27 @@ class Gateway:
             w.when_full,
         )
 
-    def _agent_listen_socket(self) -> socket.socket:
-        path = self.settings.agent_socket
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old)
-        if self.settings.agent_group is not None:
-            os.chown(path, -1, self.settings.agent_group)
-            os.chmod(path, 0o660)
-        else:
-            os.chmod(path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        return sock
+
+def agent_listen_socket(settings: Settings) -> socket.socket:
+    """The agent socket: the operator's alone (0600), or its group's too (strong mode)."""
+    path = settings.agent_socket
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    if settings.agent_group is not None:
+        os.chown(path, -1, settings.agent_group)
+        os.chmod(path, 0o660)
+    else:
+        os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 def rides_a_master(peer: Peer) -> bool:

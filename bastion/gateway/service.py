@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from bastion.core.cards import Card, make_card
 from bastion.core.contract import Code, Failure
-from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_PENDING_CARDS_PER_UID, MAX_ROUNDS
+from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_PENDING_CARDS_PER_TENANT, MAX_ROUNDS
 from bastion.core.events import (
     CAUSE_KILLED,
     ActionKeys,
@@ -60,6 +60,7 @@ from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.intent import Intent, NotDispatched, not_journaled
 from bastion.gateway.recorder import PolicyWatch, Recorder
+from bastion.gateway.tenants import Tenant
 from bastion.journal import JournalError
 
 log = logging.getLogger("bastion")
@@ -138,15 +139,17 @@ CONTROL_MASTER = (
 )
 
 
-def too_many_cards(pending: Iterable[Card], uid: int) -> str | None:
-    """A per-uid cap on waiting cards: an agent cannot bury the operator."""
-    waiting = sum(1 for c in pending if c.subject.uid == uid)
-    if waiting < MAX_PENDING_CARDS_PER_UID:
+def too_many_cards(pending: Iterable[Card], subject: Subject) -> str | None:
+    """A cap on waiting cards per tenant (the subject's registered run, else its uid:
+    `tenants.py`): an agent cannot bury the operator, nor take another run's share."""
+    tenant = Tenant.of_subject(subject)
+    waiting = sum(1 for c in pending if Tenant.of_subject(c.subject) == tenant)
+    if waiting < MAX_PENDING_CARDS_PER_TENANT:
         return None
     return (
-        f"{waiting} approval cards from uid {uid} are already waiting for an operator "
-        f"(the limit is {MAX_PENDING_CARDS_PER_UID}). Nothing was sent; wait for those to be "
-        "answered, then send this request again."
+        f"{waiting} approval cards from {tenant} are already waiting for an operator "
+        f"(the limit is {MAX_PENDING_CARDS_PER_TENANT}). Nothing was sent; send this "
+        "request again once some of those are answered."
     )
 
 
@@ -299,8 +302,8 @@ class Service:
                 return Decided(verdict, command_card)
             if isinstance(verdict, Deny):
                 return verdict.failure(req.request_id, reason)
-            if (crowded := too_many_cards(self.book.pending(), conn.peer.subject.uid)) is not None:
-                return Failure(Code.UNSUPPORTED_REQUEST, crowded, req.request_id)
+            if (crowded := too_many_cards(self.book.pending(), conn.peer.subject)) is not None:
+                return Failure(Code.GATEWAY_BUSY, crowded, req.request_id)
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
                 if (stale := world.session) is not None:  # recorded but stale: end it, say why

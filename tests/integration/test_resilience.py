@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bastion import opsock
+from bastion.core.defaults import MAX_CONNECTIONS_PER_TENANT
 from bastion.devtools.sshd_fixture import SshdInfo
-from bastion.gateway.agent_ssh import MAX_CONNECTIONS_PER_UID
 from tests.harness import (
     Bastion,
     approved_agent,
@@ -294,19 +294,20 @@ def test_a_uid_over_its_connection_cap_is_told_why(bastion: Bastion) -> None:
     path = str(bastion.home.agent_socket)
     idle: list[socket.socket] = []
     try:
-        for _ in range(MAX_CONNECTIONS_PER_UID):  # the default cap; closed after 5 s
+        for _ in range(MAX_CONNECTIONS_PER_TENANT):  # the default cap; closed after 5 s
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             idle.append(s)
         wait_for(
             lambda: (
-                bastion.op("status")["listeners"]["agent"]["connections"] >= MAX_CONNECTIONS_PER_UID
+                bastion.op("status")["listeners"]["agent"]["connections"]
+                >= MAX_CONNECTIONS_PER_TENANT
             )
         )
         got, ended = exchange(bastion.home.agent_socket, HEADER % bastion.sshd.user.encode())
         assert ended in ("eof", "reset")  # reset: closed with our header unread
         assert got.startswith(b"ERR too many connections from uid ")
-        limit = f"(limit {MAX_CONNECTIONS_PER_UID}); close idle ssh connections and retry"
+        limit = f"(limit {MAX_CONNECTIONS_PER_TENANT}); close idle ssh connections and retry"
         assert limit.encode() in got
         refused = agent.run("echo over-the-cap")
         assert refused.rc == 255

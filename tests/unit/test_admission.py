@@ -141,3 +141,30 @@ async def test_a_wait_that_runs_out_as_a_slot_frees_is_skipped_not_crashed() -> 
     with pytest.raises(asyncio.CancelledError):
         await late
     assert a.inflight == 0 and a.waiting() == 0
+
+
+async def test_the_same_fair_slots_hold_identity_walks_per_tenant() -> None:
+    """The agent socket's walkers: a tenant with many walks queued waits behind its
+    own; another tenant's walk gets the next turn; a wait past the bound says what
+    it waited for."""
+    walks = Admission(limit=1, wait=30, what="identity walks")
+    runs = Runs(walks)
+    tasks = [runs.start("flooding run", f"w{i}") for i in range(5)]
+    await settle()
+    tasks.append(runs.start("other run", "theirs"))
+    await settle()
+    await runs.end("w0")
+    await runs.end("w1")
+    assert runs.started == ["w0", "w1", "theirs"]  # not behind the flood's three others
+    for name in ("theirs", "w2", "w3", "w4"):
+        await runs.end(name)
+    await asyncio.gather(*tasks)
+    short = Admission(limit=1, wait=0.01, what="identity walks")
+    held = Runs(short)
+    first = held.start("a", "x")
+    await settle()
+    with pytest.raises(Busy, match="1 identity walks are in flight"):
+        async with short.slot("b"):
+            pytest.fail("got a slot past the limit")
+    await held.end("x")
+    await first

@@ -18,6 +18,7 @@ from bastion.core.events import (
     Outcome,
     RequestState,
     activity,
+    bound_action,
     recover,
     recovered_meta,
     request_state,
@@ -132,6 +133,24 @@ def test_action_keys_follow_the_last_attempt() -> None:
     keys.outcome("a", "req_3", Outcome.UNKNOWN)
     assert keys.acknowledge("a") and not keys.acknowledge("a")
     assert keys.blocking(None) is None
+
+
+def test_an_action_key_is_bound_to_the_process_that_sent_it() -> None:
+    """The same key from another process is another action (its acknowledgement or
+    question touches nothing of the first's); from the same process -- the same
+    kernel boot, pid and start tick, whichever gateway lifetime reads them -- it is
+    the same one, so a block recovered after a restart still holds."""
+    a, b = "boot-1:4242:88001", "boot-1:4243:88002"
+    assert bound_action(a, "deploy-42") == bound_action(a, "deploy-42")
+    assert bound_action(a, "deploy-42") != bound_action(b, "deploy-42")
+    assert bound_action(a, "deploy-42") != bound_action(a, "deploy-43")
+    assert bound_action("boot-2:4242:88001", "deploy-42") != bound_action(a, "deploy-42")
+    # No owner and key pair can be spelled as another (the separator is not in either).
+    assert bound_action("x:1", "2:y") != bound_action("x:1:2", "y")
+    keys = ActionKeys()
+    keys.outcome(bound_action(a, "deploy-42"), "req_1", Outcome.UNKNOWN)
+    assert not keys.acknowledge(bound_action(b, "deploy-42"))
+    assert keys.blocking(bound_action(a, "deploy-42")) == "req_1"
 
 
 @pytest.mark.parametrize("outcome", list(Outcome))

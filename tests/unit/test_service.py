@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from bastion.core.contract import Code, Failure
-from bastion.core.defaults import MAX_PENDING_CARDS_PER_UID
+from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.events import EventType, Outcome, Result, recover
 from bastion.core.gate import Request
 from bastion.core.policy import PolicyError
+from bastion.core.subject import SubjectKind
 from bastion.gateway import authority as authority_mod
 from bastion.gateway.admission import Admission
 from bastion.gateway.approvals import CardError
@@ -433,14 +435,48 @@ async def test_a_refused_request_is_journaled_and_never_asks(rig: Rig) -> None:
 
 
 async def test_a_uid_cannot_bury_the_operator_in_cards(rig: Rig) -> None:
+    """Processes outside every run count against their uid: each forked child is a
+    subject of its own, so the uid is their only common bound."""
     waiting = [
-        rig.send(rig.life.connect(rig.tree.spawn())) for _ in range(MAX_PENDING_CARDS_PER_UID)
+        rig.send(rig.life.connect(rig.tree.spawn())) for _ in range(MAX_PENDING_CARDS_PER_TENANT)
     ]
     await idle()
-    assert len(rig.life.book.pending()) == MAX_PENDING_CARDS_PER_UID
+    assert len(rig.life.book.pending()) == MAX_PENDING_CARDS_PER_TENANT
     result = await rig.send(rig.life.connect(rig.tree.spawn()))
-    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
-    assert f"the limit is {MAX_PENDING_CARDS_PER_UID}" in result.message
+    # Nothing was sent and the same request may run later: busy, retryable, and said so.
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+    assert result.code.retryable and result.code.exit_status == 69
+    assert f"the limit is {MAX_PENDING_CARDS_PER_TENANT}" in result.message
+    assert "from uid 1000" in result.message and "send this request again" in result.message
+    assert "Nothing was sent" in result.message
+    for task in waiting:
+        task.cancel()
+
+
+def run_conn(rig: Rig, uid: int = 0) -> AgentConn:
+    """A connection whose subject is a registered run (an isolated one is root's)."""
+    agent = rig.tree.spawn("/usr/bin/python3")
+    subject = replace(agent.subject(), uid=uid, run="agents", kind=SubjectKind.RUN)
+    peer = replace(agent.peer(), subject=subject)
+    conn = AgentConn(peer, "web1", "deploy")
+    rig.life.service.connection_opened(conn)
+    return conn
+
+
+async def test_one_run_cannot_take_another_runs_cards(rig: Rig) -> None:
+    """Every isolated run is root's and its agent has the agent user's uid: the card
+    cap counts the run, so a run at its cap leaves another run's share untouched."""
+    greedy = run_conn(rig)
+    waiting = [rig.send(greedy) for _ in range(MAX_PENDING_CARDS_PER_TENANT)]
+    await idle()
+    refused = await rig.send(greedy)
+    assert isinstance(refused, Failure) and refused.code is Code.GATEWAY_BUSY
+    assert f"registered run pid {greedy.peer.subject.pid}" in refused.message
+    other = rig.send(run_conn(rig))
+    card = await rig.card()
+    assert card.subject.pid != greedy.peer.subject.pid  # the other run was asked about
+    rig.life.authority.answer(card.id, True)
+    assert isinstance(await other, Result)
     for task in waiting:
         task.cancel()
 

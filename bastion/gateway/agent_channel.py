@@ -1,0 +1,65 @@
+"""The session channel an agent's exec runs on, and what it answers besides exec.
+
+An agent speaks SSH to the gateway, and an SSH client may send a session
+channel many requests besides the one `exec` the gateway serves. Each is
+answered here without touching the command's relay; see `AgentChannel`.
+"""
+
+from __future__ import annotations
+
+import asyncssh
+from asyncssh.packet import SSHPacket
+
+
+class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
+    """The session channel an agent gets: the exec command's exact bytes, and every
+    other request answered without touching the command.
+
+    asyncssh refuses a non-UTF-8 exec request outright, which the agent sees
+    only as "exec request failed". Keeping the bytes lets the gate refuse it
+    with an agent-facing error instead, and lets the digest cover exactly what was sent.
+
+    asyncssh hands `signal`, `break` and `window-change` to the process's stdin
+    reader as exceptions (SignalReceived, BreakReceived, TerminalSizeChanged):
+    the relay reading it stopped, the command never got its EOF, and it stayed
+    in flight after the agent left. They are refused here (FAILURE, when a reply
+    is wanted) and never reach the reader: the gateway signals a command only on
+    the operator's `bastion kill`, and there is no terminal to resize. `env`
+    once the command has started is refused too (its environment was read when
+    it started). asyncssh refuses what it does not know on a server channel
+    (`xon-xoff`, `exit-status` and `exit-signal` from a client,
+    `eow@openssh.com`, any other name), and PTY, X11 and agent requests are
+    refused by the connection's options.
+    """
+
+    exact_command: bytes | None = None
+
+    def _process_exec_request(self, packet: SSHPacket) -> bool:
+        command = packet.get_string()
+        packet.check_end()
+        self.exact_command = command
+        return self._start_session(command=command.decode("utf-8", "surrogateescape"))
+
+    def _process_signal_request(self, packet: SSHPacket) -> bool:
+        packet.get_string()
+        packet.check_end()
+        return False
+
+    def _process_break_request(self, packet: SSHPacket) -> bool:
+        packet.get_uint32()
+        packet.check_end()
+        return False
+
+    def _process_window_change_request(self, packet: SSHPacket) -> bool:
+        for _ in range(4):  # columns, rows, width and height in pixels
+            packet.get_uint32()
+        packet.check_end()
+        return False
+
+    def _process_env_request(self, packet: SSHPacket) -> bool:
+        if self.exact_command is None:
+            return bool(super()._process_env_request(packet))
+        packet.get_string()
+        packet.get_string()
+        packet.check_end()
+        return False
