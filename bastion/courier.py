@@ -267,8 +267,10 @@ def _unacked(sock: socket.socket) -> int:
 
 def _closed_by_peer(sock: socket.socket) -> bool:
     """Has the collector gone (FIN or RST)? Anything it sent is read and ignored."""
+    poller = select.poll()  # not select(): the gateway's descriptors run past 1023
+    poller.register(sock, select.POLLIN)
     try:
-        while select.select([sock], [], [], 0)[0]:
+        while poller.poll(0):
             if not sock.recv(4096, socket.MSG_DONTWAIT):
                 return True
     except BlockingIOError:

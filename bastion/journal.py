@@ -411,23 +411,21 @@ class Journal:
         return record
 
     def _write(self, line: bytes) -> None:
-        """Append one whole line, or nothing: what a refused or short write left is cut
-        off again at once, so no part of a record that failed is ever followed by the
-        next one (which would read as an edit). If even that fails, nothing more is
-        written until it succeeds."""
+        """Append one whole line, or nothing: what a short write left (a full disk) is
+        cut off again at once, so no part of a record that failed is ever followed by
+        the next one (which would read as an edit). If even that fails, nothing more
+        is written until it succeeds. (A write that fails outright wrote nothing.)"""
         assert self._fd is not None
         if self._damaged is not None:
             self._cut_back()
         try:
             written = os.write(self._fd, line)
-        except OSError as exc:
-            written, why = -1, f"{exc.strerror or exc}"
-        else:
-            why = f"short write ({written} of {len(line)} bytes; disk full?)"
+        except OSError as exc:  # a write that fails writes nothing
+            raise JournalError(f"could not write to the journal: {exc.strerror or exc}") from None
         if written == len(line):
             self._size += written
             return
-        self._damaged = why
+        why = self._damaged = f"short write ({written} of {len(line)} bytes; disk full?)"
         self._cut_back()
         raise JournalError(f"could not write to the journal: {why}; nothing of it was kept")
 

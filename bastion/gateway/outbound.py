@@ -39,6 +39,9 @@ OUTBOUND_CIPHERS = [
     "aes128-ctr",
     "aes256-ctr",
 ]
+# What asyncssh raises from an agent's stdin for a signal, break or window-change
+# request: never data, and never the end of it (the relay must go on to the EOF).
+_CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.TerminalSizeChanged)
 # Channel refusals (MaxSessions) one command rides out: each lowers a connection's
 # capacity for good, so a burst learns the target's limit within a few of them.
 REFUSED_RETRIES = 16
@@ -371,7 +374,13 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
 
     async def to_target() -> None:
         try:
-            while data := await agent.stdin.read(CHUNK):
+            while True:
+                try:
+                    data = await agent.stdin.read(CHUNK)
+                except _CHANNEL_REQUESTS:  # not data: agent_channel refuses these first
+                    continue
+                if not data:
+                    break
                 proc.stdin.write(data)
                 await proc.stdin.drain()
         except (OSError, asyncssh.Error):

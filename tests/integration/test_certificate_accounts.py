@@ -169,6 +169,9 @@ def test_a_key_account_on_the_same_gateway_is_unchanged(
 def test_a_certificate_that_cannot_be_journaled_never_leaves_the_gateway(
     cert_bastion: Bastion, ca_sshd: Sshd, tmp_path: Path
 ) -> None:
+    """With the journal unwritable nothing is signed or sent: since issue 18 the request
+    is refused at its first record, before the gate (the certificate's own record
+    failing is `tests/unit/test_certs.py`'s)."""
     b = cert_bastion
     agent = b.agent()
     rid = agent.start("true")
@@ -179,7 +182,7 @@ def test_a_certificate_that_cannot_be_journaled_never_leaves_the_gateway(
     with journal_frozen(b.home):
         r = agent.run(f"touch {marker}")
     assert r.rc == 70 and r.code == "INTERNAL", r.stderr
-    assert "could not record the command's certificate" in r.error["message"]  # type: ignore[index]
+    assert "could not write this request to its journal" in r.error["message"]  # type: ignore[index]
     assert not marker.exists()
     assert len(login_certificates(ca_sshd.log_text())) == logins  # no login was made
-    assert "could not journal its certificate" in b.log.read_text()
+    assert "could not journal the request" in b.log.read_text()

@@ -236,6 +236,26 @@ def test_a_locked_vault_signs_nothing(vault: Vault) -> None:
     assert refused.value.code is Code.VAULT_LOCKED
 
 
+def test_a_certificate_the_journal_cannot_record_is_never_handed_out(vault: Vault) -> None:
+    """`certificate_issued` is fsynced before the login: if it cannot be written, the
+    signed certificate goes nowhere (the dispatcher gets NotIssued, INTERNAL)."""
+    from bastion.core.events import EventType
+    from bastion.gateway.certify import Certifier
+    from bastion.gateway.recorder import Recorder
+    from tests.unit.fakes import FakeJournal
+
+    ca.init(vault)
+    journal = FakeJournal(fail={EventType.CERTIFICATE_ISSUED})
+    text = policy('auth = "certificate"\nsource_address = ["127.0.0.1"]')
+    account = parse_policy_text(text, "p.toml")["web1"].accounts[0]
+    certifier = Certifier(VaultCA(vault), Recorder(journal.writer("boot_1")))
+    with pytest.raises(NotIssued) as refused:
+        asyncio.run(certifier.issue("req_1", account, b"uptime"))
+    assert refused.value.code is Code.INTERNAL
+    assert "could not record the command's certificate" in refused.value.message
+    assert journal.records == []
+
+
 # -- sealed secrets ----------------------------------------------------------------------
 
 
