@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import os
+import re
 import secrets
 import select
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,20 +39,36 @@ DEFAULT_WRAPPERS = frozenset(
 )
 # Processes the walk never climbs into: what hosts terminal sessions for people (and
 # for many agents at once), so approving one would approve every session inside it.
+# Matched against the basename of the executable the kernel resolved, so a name is the
+# real binary's, not the command's: Debian's `vim` runs /usr/bin/vim.basic (its
+# alternatives), `emacs` runs emacs-gtk, emacs-nox, ... or, built from source,
+# emacs-29.1. Globs (`emacs-*`) are allowed, here and in `--session-host`.
 DEFAULT_SESSION_HOSTS = frozenset(
     {
-        *("tmux", "screen", "zellij", "abduco", "dtach"),  # multiplexers
-        *("sshd", "login", "su", "sudo", "agetty", "systemd", "init"),  # logins and init
-        *("xterm", "gnome-terminal-server", "konsole", "alacritty", "kitty", "wezterm-gui"),
-        *("foot", "urxvt", "st", "terminator", "tilix", "xfce4-terminal", "mate-terminal"),
-        *("lxterminal", "qterminal", "ghostty"),  # terminal emulators
+        *("tmux", "tmate", "screen", "zellij", "abduco", "dtach", "dvtm"),  # multiplexers
+        *("sshd", "sshd-session", "dropbear", "mosh-server"),  # remote logins
+        *("login", "su", "sudo", "doas", "agetty", "systemd", "init"),  # logins and init
+        *("vim", "vim.*", "vi", "gvim", "vimx", "nvim"),  # editors with terminal windows
+        *("emacs", "emacs-*", "zed", "zed-editor"),
+        *("code", "code-insiders", "codium", "cursor", "windsurf"),  # VS Code: its pty host
+        *("xterm", "gnome-terminal-server", "kgx", "ptyxis", "ptyxis-agent", "konsole"),
+        *("alacritty", "kitty", "wezterm-gui", "wezterm-mux-server", "foot", "urxvt", "st"),
+        *("tilix", "xfce4-terminal", "mate-terminal", "lxterminal", "qterminal", "ghostty"),
+        *("terminology", "sakura", "yakuake", "roxterm", "rio", "contour"),  # emulators
     }
 )
+_GLOB = re.compile(r"[*?\[]")
 _SO_ACCEPTCON = 0x10000  # /proc/net/unix Flags: a listening socket
 _PRUNE_EVERY = 256  # identifications between sweeps of launch nonces of exited processes
 # Not yet in Python's socket module; value from <asm-generic/socket.h>.
 SO_PEERPIDFD = 77
 _MAX_CHAIN = 64
+
+
+def name_matcher(names: Iterable[str]) -> re.Pattern[str]:
+    """One pattern for executable names, each exact or a glob (fnmatch)."""
+    parts = [fnmatch.translate(n) if _GLOB.search(n) else re.escape(n) + r"\Z" for n in names]
+    return re.compile("|".join(parts) or r"(?!)")
 
 
 class IdentityError(Exception):
@@ -117,6 +136,7 @@ class Resolver:
     ) -> None:
         self.wrappers = wrappers
         self.session_hosts = session_hosts
+        self._hosts = name_matcher(session_hosts)
         self.hasher = ExeHasher()
         self._nonces: dict[tuple[int, float], str] = {}
         self._identified = 0
@@ -176,7 +196,7 @@ class Resolver:
         return (
             info.pid == 1
             or info.pid == os.getpid()
-            or (bool(info.exe) and _exe_name(info) in self.session_hosts)
+            or (bool(info.exe) and self._hosts.match(_exe_name(info)) is not None)
         )
 
     def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:

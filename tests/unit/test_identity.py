@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bastion.core.subject import ProcessInfo, SubjectKind
-from bastion.identity import IdentityError, Resolver
+from bastion.identity import DEFAULT_SESSION_HOSTS, IdentityError, Resolver, name_matcher
 
 
 def proc(pid: int, exe: str, name: str | None = None) -> ProcessInfo:
@@ -74,6 +74,42 @@ def test_a_registered_front_acts_for_its_parent_while_it_runs_what_it_registered
     assert resolver.subject_index([PROXY, SSH, other, client, INIT]) == (2, SubjectKind.PROCESS)
     resolver.forget(front.pid, front.start_time)
     assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
+
+
+@pytest.mark.parametrize(
+    "exe",
+    [
+        "/usr/bin/vim.basic",  # Debian's vim, through its alternatives
+        "/usr/bin/vim.gtk3",
+        "/usr/bin/nvim",
+        "/usr/bin/emacs-gtk",
+        "/usr/local/bin/emacs-29.1",  # built from source
+        "/usr/bin/dvtm",
+        "/usr/share/code/code",  # VS Code's pty host is its electron binary
+        "/usr/bin/kgx",  # GNOME Console
+        "/usr/lib/openssh/sshd-session",  # OpenSSH >= 9.8
+    ],
+)
+def test_editors_and_consoles_that_host_terminals_are_session_hosts(exe: str) -> None:
+    """Each of these runs many windows, each with its own shell: approving one
+    window must not approve the others."""
+    shell = proc(700, "/usr/bin/bash")
+    assert Resolver().subject_index([PROXY, SSH, shell, proc(600, exe), INIT]) == (
+        2,
+        SubjectKind.SESSION_SHELL,
+    )
+
+
+@pytest.mark.parametrize("exe", ["/usr/bin/emacsclient", "/usr/bin/node", "/usr/bin/vimtutor"])
+def test_a_glob_matches_whole_names_only(exe: str) -> None:
+    assert name_matcher(DEFAULT_SESSION_HOSTS).match(exe.rsplit("/", 1)[-1]) is None
+    assert Resolver().subject_index([PROXY, SSH, proc(600, exe), INIT]) == (2, SubjectKind.PROCESS)
+
+
+def test_session_hosts_given_at_start_may_be_globs() -> None:
+    resolver = Resolver(session_hosts=DEFAULT_SESSION_HOSTS | {"my-term-*"})
+    chain = [PROXY, SSH, BASH, proc(600, "/opt/my-term-2/my-term-2.1"), INIT]
+    assert resolver.subject_index(chain) == (2, SubjectKind.SESSION_SHELL)
 
 
 def test_a_start_time_survives_a_wall_clock_step(monkeypatch: pytest.MonkeyPatch) -> None:
