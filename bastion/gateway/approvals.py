@@ -45,9 +45,10 @@ def _match_key(exe: str, conversation: str | None, host: str, user: str) -> str:
     """Which later subject counts as 'the same agent' for explaining a new
     card: same executable, same conversation ref, same host and account.
     It explains; it never authorises. Hashed, because it outlives the
-    gateway (see `live_match_keys`) and a conversation ref is the agent's text."""
-    joined = "\0".join((exe, conversation or "", host.lower(), user)).encode()
-    return hashlib.sha256(joined).hexdigest()
+    gateway (see `live_match_keys`) and a conversation ref is the agent's text.
+    Encoded with surrogateescape: a path is bytes, and may not be UTF-8."""
+    joined = "\0".join((exe, conversation or "", host.lower(), user))
+    return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 @dataclass
