@@ -19,8 +19,8 @@ import base64
 import enum
 from dataclasses import dataclass
 
-# (pid, start time, launch nonce, exe sha256): one process running one executable.
-SubjectKey = tuple[int, float, str, str]
+# (pid, start time, launch nonce, exec image, exe sha256): one exec of one process.
+SubjectKey = tuple[int, float, str, str, str]
 # (pid, start time, launch nonce): one process instance, whatever it runs now.
 ProcessKey = tuple[int, float, str]
 
@@ -94,11 +94,21 @@ class SubjectKind(enum.Enum):
     SESSION_SHELL = "shell of a terminal session"  # the walk stopped below a session host
 
 
+class ExecWatch(enum.Enum):
+    """How the gateway sees that this process exec'd (docs/architecture.md, "Who is
+    asking"); the card says it, so an operator knows what an approval will cover."""
+
+    THREAD = "a thread an exec would end"  # one of its threads first seen is alive
+    MEMORY = "its address space and layout"  # the memory first seen is in use and alike
+    NOTHING = "nothing: every request asks"  # neither can be read: no approval outlives a request
+
+
 @dataclass(frozen=True)
 class Subject:
     """The process a person approves: identity of one live process in one
     gateway lifetime. The nonce makes two sightings of the same
-    (pid, start_time) in two gateway lifetimes two different subjects."""
+    (pid, start_time) in two gateway lifetimes two different subjects; the
+    image makes two execs of one process two different subjects."""
 
     pid: int
     start_time: float
@@ -108,6 +118,8 @@ class Subject:
     nonce: str
     run: str | None = None  # label of the registered run this subject is, if any
     kind: SubjectKind = SubjectKind.PROCESS
+    image: str = ""  # the gateway's name for the exec this process is in (images.Images)
+    exec_watch: ExecWatch | None = None  # how that exec was last shown to be current
 
     @property
     def process_key(self) -> ProcessKey:
@@ -116,9 +128,10 @@ class Subject:
 
     @property
     def key(self) -> SubjectKey:
-        """What approvals bind to: the process instance *and* its executable.
-        exec() keeps the pid and start time; it must not keep the approval."""
-        return (self.pid, self.start_time, self.nonce, self.exe_sha256 or self.exe)
+        """What approvals bind to: the process instance, the exec it is in, and
+        what that exec runs. exec() keeps the pid and start time -- and, for the
+        same interpreter, the executable -- it must not keep the approval."""
+        return (self.pid, self.start_time, self.nonce, self.image, self.exe_sha256 or self.exe)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -130,6 +143,8 @@ class Subject:
             "uid": self.uid,
             "run": self.run,
             "kind": self.kind.value,
+            "image": self.image,
+            "exec_watch": self.exec_watch.value if self.exec_watch else None,
         }
 
 

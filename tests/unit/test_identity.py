@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.core.subject import ProcessInfo, SubjectKind
+from bastion.core.subject import ExecWatch, ProcessInfo, SubjectKind
 from bastion.identity import DEFAULT_SESSION_HOSTS, IdentityError, Resolver, name_matcher
 
 
@@ -58,18 +58,34 @@ def test_the_lists_are_configurable() -> None:
     assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
 
 
-def test_a_registered_front_acts_for_its_parent_while_it_runs_what_it_registered() -> None:
+class Images:
+    """The exec each process is in, as the test says (identity.Images reads /proc)."""
+
+    def __init__(self) -> None:
+        self.now: dict[tuple[int, float], str] = {}
+
+    def current(self, pid: int, start_time: float) -> tuple[str, ExecWatch]:
+        return self.now.get((pid, start_time), f"unseen-{pid}"), ExecWatch.MEMORY
+
+    def forget(self, pid: int, start_time: float) -> None:
+        self.now.pop((pid, start_time), None)
+
+
+def test_a_registered_front_acts_for_its_parent_while_it_is_in_the_exec_it_registered() -> None:
     """`bastion mcp` registers itself: the MCP client above it is the subject. The same
-    pid and start time running another executable (it exec'd) is itself again."""
+    pid and start time in another exec -- even of the same executable -- is itself again."""
     front = proc(750, "/usr/bin/python3.11")
     client = proc(650, "/usr/bin/node")
     resolver = Resolver()
+    resolver.images = images = Images()  # type: ignore[assignment]
     chain = [PROXY, SSH, front, client, BASH, TMUX, INIT]
     assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)  # not registered
-    resolver.fronts[(front.pid, front.start_time)] = (front.exe, front.exe_sha256)
+    images.now[(front.pid, front.start_time)] = "first-exec"
+    resolver.fronts[(front.pid, front.start_time)] = "first-exec"
     assert resolver.subject_index(chain) == (3, SubjectKind.PROCESS)
-    exec_d = proc(750, "/usr/bin/perl")
-    assert resolver.subject_index([PROXY, SSH, exec_d, client, INIT]) == (2, SubjectKind.PROCESS)
+    images.now[(front.pid, front.start_time)] = "second-exec"  # it exec'd, python3.11 again
+    assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
+    images.now[(front.pid, front.start_time)] = "first-exec"
     other = ProcessInfo(750, 749, 7.0, 1000, front.exe, None, "python3.11", ())  # pid reused
     assert resolver.subject_index([PROXY, SSH, other, client, INIT]) == (2, SubjectKind.PROCESS)
     resolver.forget(front.pid, front.start_time)
