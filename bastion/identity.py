@@ -17,34 +17,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
-import hashlib
 import os
+import re
 import secrets
 import select
 import socket
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
 from bastion.core.subject import Peer, ProcessInfo, Subject, SubjectKind
+from bastion.images import ExeHasher, Images, stat_fields
 
 DEFAULT_WRAPPERS = frozenset(
     {"sh", "bash", "dash", "zsh", "fish", "ksh", "mksh", "env", "timeout", "nice", "nohup"}
 )
 # Processes the walk never climbs into: what hosts terminal sessions for people (and
 # for many agents at once), so approving one would approve every session inside it.
+# Matched against the basename of the executable the kernel resolved, so a name is the
+# real binary's, not the command's: Debian's `vim` runs /usr/bin/vim.basic (its
+# alternatives), `emacs` runs emacs-gtk, emacs-nox, ... or, built from source,
+# emacs-29.1. Globs (`emacs-*`) are allowed, here and in `--session-host`.
 DEFAULT_SESSION_HOSTS = frozenset(
     {
-        *("tmux", "screen", "zellij", "abduco", "dtach"),  # multiplexers
-        *("sshd", "login", "su", "sudo", "agetty", "systemd", "init"),  # logins and init
-        *("xterm", "gnome-terminal-server", "konsole", "alacritty", "kitty", "wezterm-gui"),
-        *("foot", "urxvt", "st", "terminator", "tilix", "xfce4-terminal", "mate-terminal"),
-        *("lxterminal", "qterminal", "ghostty"),  # terminal emulators
+        *("tmux", "tmate", "screen", "zellij", "abduco", "dtach", "dvtm"),  # multiplexers
+        *("sshd", "sshd-session", "dropbear", "mosh-server"),  # remote logins
+        *("login", "su", "sudo", "doas", "agetty", "systemd", "init"),  # logins and init
+        *("vim", "vim.*", "vi", "gvim", "vimx", "nvim"),  # editors with terminal windows
+        *("emacs", "emacs-*", "zed", "zed-editor"),
+        *("code", "code-insiders", "codium", "cursor", "windsurf"),  # VS Code: its pty host
+        *("xterm", "gnome-terminal-server", "kgx", "ptyxis", "ptyxis-agent", "konsole"),
+        *("alacritty", "kitty", "wezterm-gui", "wezterm-mux-server", "foot", "urxvt", "st"),
+        *("tilix", "xfce4-terminal", "mate-terminal", "lxterminal", "qterminal", "ghostty"),
+        *("terminology", "sakura", "yakuake", "roxterm", "rio", "contour"),  # emulators
     }
 )
+_GLOB = re.compile(r"[*?\[]")
 _SO_ACCEPTCON = 0x10000  # /proc/net/unix Flags: a listening socket
 _PRUNE_EVERY = 256  # identifications between sweeps of launch nonces of exited processes
 # Not yet in Python's socket module; value from <asm-generic/socket.h>.
@@ -52,36 +64,14 @@ SO_PEERPIDFD = 77
 _MAX_CHAIN = 64
 
 
+def name_matcher(names: Iterable[str]) -> re.Pattern[str]:
+    """One pattern for executable names, each exact or a glob (fnmatch)."""
+    parts = [fnmatch.translate(n) if _GLOB.search(n) else re.escape(n) + r"\Z" for n in names]
+    return re.compile("|".join(parts) or r"(?!)")
+
+
 class IdentityError(Exception):
     """The peer could not be identified; the request must not proceed."""
-
-
-@dataclass
-class ExeHasher:
-    """sha256 of executables, cached by (device, inode, mtime, size): hashing
-    a 5 MB interpreter on every request would dominate the hot path."""
-
-    _cache: dict[tuple[int, int, int, int], str] = field(default_factory=dict)
-
-    def digest(self, pid: int) -> str | None:
-        path = f"/proc/{pid}/exe"
-        try:
-            st = os.stat(path)
-            key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._cache.get(key)
-            if cached is not None:
-                return cached
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-        except OSError:
-            return None  # kernel thread, exited, or not ours to read
-        value = h.hexdigest()
-        if len(self._cache) > 4096:
-            self._cache.clear()
-        self._cache[key] = value
-        return value
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -120,12 +110,14 @@ class Resolver:
     ) -> None:
         self.wrappers = wrappers
         self.session_hosts = session_hosts
+        self._hosts = name_matcher(session_hosts)
         self.hasher = ExeHasher()
+        self.images = Images()
         self._nonces: dict[tuple[int, float], str] = {}
         self._identified = 0
         self.runs: dict[tuple[int, float], str] = {}  # registered runs: (pid, start) -> label
-        # Registered fronts (`bastion mcp`): (pid, start) -> the executable it ran then.
-        self.fronts: dict[tuple[int, float], tuple[str, str | None]] = {}
+        # Registered fronts (`bastion mcp`): (pid, start) -> the exec image it was in then.
+        self.fronts: dict[tuple[int, float], str] = {}
 
     def read_process(self, pid: int) -> ProcessInfo:
         # The start time first: a pid reused after this read shows a new start time
@@ -169,17 +161,19 @@ class Resolver:
     def _is_wrapper(self, info: ProcessInfo) -> bool:
         """Judged by the executable the kernel resolved, never by the process name a
         process can set itself; an executable we cannot read is not a wrapper. A
-        registered front counts while it still runs the executable it registered with."""
+        registered front counts while it is still in the exec it registered from."""
         if not info.exe:
             return False
+        if _exe_name(info) in self.wrappers:
+            return True
         front = self.fronts.get((info.pid, info.start_time))
-        return _exe_name(info) in self.wrappers or front == (info.exe, info.exe_sha256)
+        return front is not None and self.images.current(info.pid, info.start_time)[0] == front
 
     def _is_session_host(self, info: ProcessInfo) -> bool:
         return (
             info.pid == 1
             or info.pid == os.getpid()
-            or (bool(info.exe) and _exe_name(info) in self.session_hosts)
+            or (bool(info.exe) and self._hosts.match(_exe_name(info)) is not None)
         )
 
     def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:
@@ -212,6 +206,7 @@ class Resolver:
         self._nonces.pop((pid, start_time), None)
         self.runs.pop((pid, start_time), None)
         self.fronts.pop((pid, start_time), None)
+        self.images.forget(pid, start_time)
 
     def identify(self, sock: socket.socket) -> Peer:
         """Read who is on the other end of `sock`, or refuse."""
@@ -243,6 +238,7 @@ class Resolver:
                 "the ssh client has no parent process left to approve (orphaned under pid 1); "
                 "run ssh from the agent process itself"
             )
+        image, watch = self.images.current(s.pid, s.start_time)
         subject = Subject(
             pid=s.pid,
             start_time=s.start_time,
@@ -252,6 +248,8 @@ class Resolver:
             nonce=self.nonce_for(s.pid, s.start_time),
             run=self.runs.get((s.pid, s.start_time)),
             kind=kind,
+            image=image,
+            exec_watch=watch,
         )
         self._identified += 1
         if self._identified % _PRUNE_EVERY == 0:
@@ -261,24 +259,30 @@ class Resolver:
     def prune(self) -> int:
         """Forget launch nonces and runs of processes that exited (not every exit is
         watched: a process that connected but never asked leaves a nonce behind)."""
-        gone = [key for key in {*self._nonces, *self.fronts} if _start_time(key[0]) != key[1]]
+        known = {*self._nonces, *self.fronts, *self.images.known()}
+        gone = [key for key in known if _start_time(key[0]) != key[1]]
         for pid, start in gone:
             self.forget(pid, start)
         return len(gone)
 
     def refresh(self, subject: Subject) -> Subject:
-        """The subject as it is now: same process, but the executable it runs now.
-        An exec after the connection was identified must not keep the approval."""
+        """The subject as it is now: same process, but the exec it is in now and the
+        executable that runs. An exec after the connection was identified -- into
+        the same interpreter too -- must not keep the approval."""
         if _start_time(subject.pid) != subject.start_time:
             return subject  # gone: the gate will say so (subject_alive)
+        image, watch = self.images.current(subject.pid, subject.start_time)
         try:
             exe = os.readlink(f"/proc/{subject.pid}/exe")
         except OSError:
             exe = ""
         digest = self.hasher.digest(subject.pid) if exe else None
-        if (exe, digest) == (subject.exe, subject.exe_sha256):
+        now = (image, watch, exe, digest)
+        if now == (subject.image, subject.exec_watch, subject.exe, subject.exe_sha256):
             return subject
-        return dataclasses.replace(subject, exe=exe, exe_sha256=digest)
+        return dataclasses.replace(
+            subject, image=image, exec_watch=watch, exe=exe, exe_sha256=digest
+        )
 
     def run_index(self, chain: list[ProcessInfo]) -> int | None:
         """The nearest registered run above the peer: its whole tree is one subject."""
@@ -291,6 +295,7 @@ class Resolver:
         """Register the connecting process itself as a run. The kernel names
         the process; the client can only ask for itself."""
         info = self._registrant(sock)
+        self.images.current(info.pid, info.start_time)  # the exec it registers from
         self.runs[(info.pid, info.start_time)] = label
         return info
 
@@ -298,12 +303,12 @@ class Resolver:
         """Register the connecting process as a front (`bastion mcp`): like a shell,
         it acts for its parent, which becomes the subject of the commands it runs.
         That gives it nothing it did not have -- any child can exec a shell and be
-        skipped the same way -- and it holds only while the process runs the
-        executable it registered with."""
+        skipped the same way -- and it holds only while the process is in the exec
+        it registered from (where that cannot be seen, it never holds)."""
         info = self._registrant(sock)
         if not info.exe:
             raise IdentityError("the registering process's executable cannot be read")
-        self.fronts[(info.pid, info.start_time)] = (info.exe, info.exe_sha256)
+        self.fronts[(info.pid, info.start_time)] = self.images.current(info.pid, info.start_time)[0]
         return info
 
     def _registrant(self, sock: socket.socket) -> ProcessInfo:
@@ -349,8 +354,7 @@ def _start_time(pid: int) -> float | None:
             data = f.read()
     except OSError:
         return None
-    fields = data[data.rindex(b")") + 2 :].split()  # the name, in parentheses, may hold spaces
-    return _boot_time() + int(fields[19]) / _CLK_TCK
+    return _boot_time() + int(stat_fields(data)[19]) / _CLK_TCK
 
 
 def ssh_client_of(peer: Peer) -> ProcessInfo | None:

@@ -207,8 +207,17 @@ def _prctl(option: int, arg: int) -> bool:
 
 
 def _register(path: Path, label: str) -> str:
-    """Name this very process to the gateway as a run; the gateway reads who it is."""
+    """Name this very process to the gateway as a run; the gateway reads who it is.
+
+    First it starts a thread that lives as long as the run: an exec of this process
+    would end it, and the gateway can see that it lives where it may not read this
+    process's memory (`run --isolated` runs as root, the gateway need not), so the
+    run keeps its approval without being asked again (docs/architecture.md, "Who is
+    asking")."""
     import socket
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="exec-witness", daemon=True).start()
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -27,6 +27,7 @@ from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
+from bastion.core.subject import ExecWatch
 from bastion.opsock import OperatorError, call
 
 CLAIM_SHOWN = 200  # characters of the conversation ref a card shows
@@ -108,6 +109,12 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         f"            uid {s['uid']}, started {_when(s['start_time'])}"
         + (f", run {_shown(s['run'])!r}" if s.get("run") else ""),
     ]
+    if s.get("exec_watch") == ExecWatch.NOTHING.value:
+        lines.append(
+            style.warn(
+                "  exec:     not visible for this process: approving covers this request only"
+            )
+        )
     if card.get("reason"):
         lines.append(style.warn(f"  changed:  an earlier approval ended: {_shown(card['reason'])}"))
     if card.get("conversation"):
@@ -118,6 +125,8 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         lines += _command_lines(card, style)
     if details:
         lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
+        if s.get("exec_watch"):
+            lines.append(f"  exec seen by:   {_shown(s['exec_watch'])}")
         if card.get("command_sha256"):
             lines.append(f"  command sha256: {_shown(card['command_sha256'])}")
             lines.append(f"  command bytes:  {_shown(card['command'])}")

@@ -4,17 +4,59 @@ Authority is bound to one live process, never to anything a client says
 about itself. These records are what `identity.py` reads from the kernel and
 /proc; everything that grants or checks authority (the gate, the approval
 book, the journal) sees only these immutable values.
+
+Paths and command lines come from the kernel as bytes, and Linux allows any
+byte but NUL in them. Python holds a byte that is not UTF-8 as a lone
+surrogate (surrogateescape), which no UTF-8 encoder accepts and no JSON
+reader other than Python's gives back; so the JSON of these records shows
+such a byte as `\\xNN` text, and adds the exact bytes in base64 beside it
+(`exe_base64`, `cmdline_base64`) only when there is one.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 from dataclasses import dataclass
 
-# (pid, start time, launch nonce, exe sha256): one process running one executable.
-SubjectKey = tuple[int, float, str, str]
+# (pid, start time, launch nonce, exec image, exe sha256): one exec of one process.
+SubjectKey = tuple[int, float, str, str, str]
 # (pid, start time, launch nonce): one process instance, whatever it runs now.
 ProcessKey = tuple[int, float, str]
+
+
+def as_bytes(text: str) -> bytes:
+    """The bytes the kernel gave for `text` (read with surrogateescape)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def shown_path(text: str) -> str:
+    """`text` with each byte that was not UTF-8 written as `\\xNN`: valid Unicode,
+    shown the way `core/display` escapes it, but not reversible on its own."""
+    if text.isascii():
+        return text
+    return "".join(
+        f"\\x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else ch for ch in text
+    )
+
+
+def exact_base64(text: str) -> str | None:
+    """The exact bytes of `text` in base64 when they are not UTF-8, else None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return base64.b64encode(as_bytes(text)).decode()
+    return None
+
+
+def path_json(name: str, path: str) -> dict[str, object]:
+    """`{name: shown}`, plus `{name}_base64` when the path is not UTF-8."""
+    doc: dict[str, object] = {name: shown_path(path)}
+    if (exact := exact_base64(path)) is not None:
+        doc[f"{name}_base64"] = exact
+    return doc
 
 
 @dataclass(frozen=True)
@@ -31,14 +73,17 @@ class ProcessInfo:
     cmdline: tuple[str, ...]
 
     def as_json(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "pid": self.pid,
-            "exe": self.exe,
+            **path_json("exe", self.exe),
             "exe_sha256": self.exe_sha256,
             "uid": self.uid,
             "start_time": self.start_time,
-            "cmdline": list(self.cmdline),
+            "cmdline": [shown_path(arg) for arg in self.cmdline],
         }
+        if any(exact_base64(arg) is not None for arg in self.cmdline):
+            doc["cmdline_base64"] = [base64.b64encode(as_bytes(a)).decode() for a in self.cmdline]
+        return doc
 
 
 class SubjectKind(enum.Enum):
@@ -49,11 +94,21 @@ class SubjectKind(enum.Enum):
     SESSION_SHELL = "shell of a terminal session"  # the walk stopped below a session host
 
 
+class ExecWatch(enum.Enum):
+    """How the gateway sees that this process exec'd (docs/architecture.md, "Who is
+    asking"); the card says it, so an operator knows what an approval will cover."""
+
+    THREAD = "a thread an exec would end"  # one of its threads first seen is alive
+    MEMORY = "its address space and layout"  # the memory first seen is in use and alike
+    NOTHING = "nothing: every request asks"  # neither can be read: no approval outlives a request
+
+
 @dataclass(frozen=True)
 class Subject:
     """The process a person approves: identity of one live process in one
     gateway lifetime. The nonce makes two sightings of the same
-    (pid, start_time) in two gateway lifetimes two different subjects."""
+    (pid, start_time) in two gateway lifetimes two different subjects; the
+    image makes two execs of one process two different subjects."""
 
     pid: int
     start_time: float
@@ -63,6 +118,8 @@ class Subject:
     nonce: str
     run: str | None = None  # label of the registered run this subject is, if any
     kind: SubjectKind = SubjectKind.PROCESS
+    image: str = ""  # the gateway's name for the exec this process is in (images.Images)
+    exec_watch: ExecWatch | None = None  # how that exec was last shown to be current
 
     @property
     def process_key(self) -> ProcessKey:
@@ -71,20 +128,23 @@ class Subject:
 
     @property
     def key(self) -> SubjectKey:
-        """What approvals bind to: the process instance *and* its executable.
-        exec() keeps the pid and start time; it must not keep the approval."""
-        return (self.pid, self.start_time, self.nonce, self.exe_sha256 or self.exe)
+        """What approvals bind to: the process instance, the exec it is in, and
+        what that exec runs. exec() keeps the pid and start time -- and, for the
+        same interpreter, the executable -- it must not keep the approval."""
+        return (self.pid, self.start_time, self.nonce, self.image, self.exe_sha256 or self.exe)
 
     def as_json(self) -> dict[str, object]:
         return {
             "pid": self.pid,
             "start_time": self.start_time,
-            "exe": self.exe,
+            **path_json("exe", self.exe),
             "exe_sha256": self.exe_sha256,
             "exe_deleted": self.exe.endswith(" (deleted)"),
             "uid": self.uid,
             "run": self.run,
             "kind": self.kind.value,
+            "image": self.image,
+            "exec_watch": self.exec_watch.value if self.exec_watch else None,
         }
 
 

@@ -45,9 +45,10 @@ def _match_key(exe: str, conversation: str | None, host: str, user: str) -> str:
     """Which later subject counts as 'the same agent' for explaining a new
     card: same executable, same conversation ref, same host and account.
     It explains; it never authorises. Hashed, because it outlives the
-    gateway (see `live_match_keys`) and a conversation ref is the agent's text."""
-    joined = "\0".join((exe, conversation or "", host.lower(), user)).encode()
-    return hashlib.sha256(joined).hexdigest()
+    gateway (see `live_match_keys`) and a conversation ref is the agent's text.
+    Encoded with surrogateescape: a path is bytes, and may not be UTF-8."""
+    joined = "\0".join((exe, conversation or "", host.lower(), user))
+    return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 @dataclass
@@ -164,19 +165,29 @@ class ApprovalBook:
     def session_for(
         self, subject: Subject, host: str, user: str, conversation: str | None
     ) -> tuple[SessionGrant | None, EndReason | None]:
-        """The live grant for this subject and entry, else why a matching one ended."""
+        """The live grant for this subject and entry, else why a matching one ended.
+
+        The same process in another exec (another image, or another executable)
+        is not what was approved: every grant it holds ends, for every entry,
+        with `process_changed` -- and this card says so."""
         live = self._sessions.get((subject.key, host.lower(), user))
         if live is not None:
             return live.grant, None
-        # The same process, now running another executable (exec): its grant ends.
-        if self.end_sessions(
-            lambda g: (
-                g.subject_key[:3] == subject.process_key
-                and (g.host.lower(), g.user) == (host.lower(), user)
-            ),
-            EndReason.PROCESS_CHANGED,
-        ):
-            return None, EndReason.PROCESS_CHANGED
+        stale = [
+            old
+            for old in self._sessions.values()
+            if old.grant.subject_key[:3] == subject.process_key
+            and old.grant.subject_key != subject.key
+        ]
+        if stale:
+            ids = {old.grant.id for old in stale}
+            self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
+            for old in stale:  # its next card for those entries, under the new exe, says why
+                key = _match_key(subject.exe, old.conversation, old.grant.host, old.grant.user)
+                self._ended[key] = EndReason.PROCESS_CHANGED
+            here = (host.lower(), user)
+            if any((old.grant.host.lower(), old.grant.user) == here for old in stale):
+                return None, EndReason.PROCESS_CHANGED
         return None, self._ended.get(_match_key(subject.exe, conversation, host, user))
 
     def sessions(self) -> list[tuple[SessionGrant, Subject]]:

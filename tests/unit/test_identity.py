@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bastion.core.subject import ProcessInfo, SubjectKind
-from bastion.identity import IdentityError, Resolver
+from bastion.core.subject import ExecWatch, ProcessInfo, SubjectKind
+from bastion.identity import DEFAULT_SESSION_HOSTS, IdentityError, Resolver, name_matcher
 
 
 def proc(pid: int, exe: str, name: str | None = None) -> ProcessInfo:
@@ -58,22 +58,74 @@ def test_the_lists_are_configurable() -> None:
     assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
 
 
-def test_a_registered_front_acts_for_its_parent_while_it_runs_what_it_registered() -> None:
+class Images:
+    """The exec each process is in, as the test says (identity.Images reads /proc)."""
+
+    def __init__(self) -> None:
+        self.now: dict[tuple[int, float], str] = {}
+
+    def current(self, pid: int, start_time: float) -> tuple[str, ExecWatch]:
+        return self.now.get((pid, start_time), f"unseen-{pid}"), ExecWatch.MEMORY
+
+    def forget(self, pid: int, start_time: float) -> None:
+        self.now.pop((pid, start_time), None)
+
+
+def test_a_registered_front_acts_for_its_parent_while_it_is_in_the_exec_it_registered() -> None:
     """`bastion mcp` registers itself: the MCP client above it is the subject. The same
-    pid and start time running another executable (it exec'd) is itself again."""
+    pid and start time in another exec -- even of the same executable -- is itself again."""
     front = proc(750, "/usr/bin/python3.11")
     client = proc(650, "/usr/bin/node")
     resolver = Resolver()
+    resolver.images = images = Images()  # type: ignore[assignment]
     chain = [PROXY, SSH, front, client, BASH, TMUX, INIT]
     assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)  # not registered
-    resolver.fronts[(front.pid, front.start_time)] = (front.exe, front.exe_sha256)
+    images.now[(front.pid, front.start_time)] = "first-exec"
+    resolver.fronts[(front.pid, front.start_time)] = "first-exec"
     assert resolver.subject_index(chain) == (3, SubjectKind.PROCESS)
-    exec_d = proc(750, "/usr/bin/perl")
-    assert resolver.subject_index([PROXY, SSH, exec_d, client, INIT]) == (2, SubjectKind.PROCESS)
+    images.now[(front.pid, front.start_time)] = "second-exec"  # it exec'd, python3.11 again
+    assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
+    images.now[(front.pid, front.start_time)] = "first-exec"
     other = ProcessInfo(750, 749, 7.0, 1000, front.exe, None, "python3.11", ())  # pid reused
     assert resolver.subject_index([PROXY, SSH, other, client, INIT]) == (2, SubjectKind.PROCESS)
     resolver.forget(front.pid, front.start_time)
     assert resolver.subject_index(chain) == (2, SubjectKind.PROCESS)
+
+
+@pytest.mark.parametrize(
+    "exe",
+    [
+        "/usr/bin/vim.basic",  # Debian's vim, through its alternatives
+        "/usr/bin/vim.gtk3",
+        "/usr/bin/nvim",
+        "/usr/bin/emacs-gtk",
+        "/usr/local/bin/emacs-29.1",  # built from source
+        "/usr/bin/dvtm",
+        "/usr/share/code/code",  # VS Code's pty host is its electron binary
+        "/usr/bin/kgx",  # GNOME Console
+        "/usr/lib/openssh/sshd-session",  # OpenSSH >= 9.8
+    ],
+)
+def test_editors_and_consoles_that_host_terminals_are_session_hosts(exe: str) -> None:
+    """Each of these runs many windows, each with its own shell: approving one
+    window must not approve the others."""
+    shell = proc(700, "/usr/bin/bash")
+    assert Resolver().subject_index([PROXY, SSH, shell, proc(600, exe), INIT]) == (
+        2,
+        SubjectKind.SESSION_SHELL,
+    )
+
+
+@pytest.mark.parametrize("exe", ["/usr/bin/emacsclient", "/usr/bin/node", "/usr/bin/vimtutor"])
+def test_a_glob_matches_whole_names_only(exe: str) -> None:
+    assert name_matcher(DEFAULT_SESSION_HOSTS).match(exe.rsplit("/", 1)[-1]) is None
+    assert Resolver().subject_index([PROXY, SSH, proc(600, exe), INIT]) == (2, SubjectKind.PROCESS)
+
+
+def test_session_hosts_given_at_start_may_be_globs() -> None:
+    resolver = Resolver(session_hosts=DEFAULT_SESSION_HOSTS | {"my-term-*"})
+    chain = [PROXY, SSH, BASH, proc(600, "/opt/my-term-2/my-term-2.1"), INIT]
+    assert resolver.subject_index(chain) == (2, SubjectKind.SESSION_SHELL)
 
 
 def test_a_start_time_survives_a_wall_clock_step(monkeypatch: pytest.MonkeyPatch) -> None:
