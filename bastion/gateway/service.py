@@ -277,7 +277,7 @@ class Service:
         if isinstance(decided, Failure):
             return self._denied(conn, req, decided)
         try:
-            async with self.admission.slot(conn.peer.subject.key):
+            async with self.admission.slot(conn.peer.subject.process_key):
                 return await self.dispatch(conn, req, conversation, decided, streams, lost)
         except Busy as busy:
             return self._denied(conn, req, busy.failure(req.request_id))
