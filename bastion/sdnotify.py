@@ -182,6 +182,27 @@ class Notifier:
             self._sock = None
 
 
+def hand_over(child: int) -> None:
+    """The gateway goes on in a child (`bastion.memory.close`), so the process systemd
+    started only waits: tell systemd the child is the main process now (MAINPID=), so
+    its READY, STATUS and WATCHDOG count under `NotifyAccess=main`. Called in the
+    first process, before the child may speak."""
+    address = socket_address(os.environ.get("NOTIFY_SOCKET", ""))
+    if address is None:
+        return
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(message(("MAINPID", str(child))), address)
+    except OSError as exc:
+        log.warning("could not tell systemd the gateway's pid ($NOTIFY_SOCKET): %s", exc)
+
+
+def taken_over(parent: int) -> None:
+    """In that child: a watchdog systemd set for the first process is this one's."""
+    if os.environ.get("WATCHDOG_PID", "").strip() == str(parent):
+        os.environ["WATCHDOG_PID"] = str(os.getpid())
+
+
 def start(vault: Lockable, book: Approvals) -> Notifier:
     """Called by the gateway once its listeners are up: READY=1 and the beat, when a
     service manager asked for them. The variables are taken out of the environment,

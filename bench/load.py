@@ -138,8 +138,8 @@ class Rig:
 
     @property
     def gateway_pid(self) -> int:
-        assert self.bastion is not None and self.bastion.daemon is not None
-        return self.bastion.daemon.pid
+        assert self.bastion is not None
+        return self.bastion.gateway_pid
 
     def approved_agents(self, n: int, batch: int = 16) -> list[Agent]:
         """n agent processes, each with its session card approved (in batches: one uid

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from cryptography.hazmat.primitives import serialization
 
 from bastion import journal, opsock
@@ -288,6 +289,14 @@ class Bastion:
                 assert self.daemon.poll() is None, self.log.read_text()
                 assert time.monotonic() < deadline, "gateway did not start"
                 time.sleep(0.02)
+
+    @property
+    def gateway_pid(self) -> int:
+        """The process that is the gateway: the child `bastion daemon` forks once its
+        memory is closed (`bastion.memory`), not `daemon.pid`, which only waits for it."""
+        pid = int(self.op("status")["pid"])
+        assert self.daemon is not None and psutil.Process(pid).ppid() == self.daemon.pid
+        return pid
 
     def stop_daemon(self) -> None:
         if self.daemon is not None and self.daemon.poll() is None:

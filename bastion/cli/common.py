@@ -13,27 +13,21 @@ before they read, for a command that reads a secret without that option.
 
 from __future__ import annotations
 
-import ctypes
 import getpass
 import io
 import json
-import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import click
 
-from bastion import opsock
+from bastion import memory, opsock
 from bastion.core.display import escape_text
 from bastion.home import Home
 
 KEYRING_SERVICE = "bastion"
 HOST_KEY_ALIAS = "bastion-gateway"
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
-SI_KERNEL = 0x80  # siginfo's si_code of a signal the kernel sent (the terminal's ^C, ^\)
-FORWARDED = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -67,79 +61,15 @@ def op(ctx: click.Context, name: str, timeout: float = 30.0, **args: Any) -> Any
 
 # -- a process that holds a secret --------------------------------------------------------
 
-_closed = False  # this process is the child close_memory made: its memory is closed
-
 
 def close_memory() -> None:
     """Close this process's memory to every other process of its uid that lacks
-    CAP_SYS_PTRACE, before a secret enters it; once per process.
-
-    PR_SET_DUMPABLE 0 stops a ptrace attach and any new open of /proc/PID/mem
-    (as the gateway does, and ssh-agent). It does not revoke a /proc/PID/mem a
-    same-uid process opened earlier, in the ~0.1 s the interpreter takes to get
-    here: so the command then goes on in a child forked after the prctl, whose
-    memory is new and was never open to anyone, while this process waits for
-    it and ends as it ends. A process already tracing this one (or the child,
-    through PTRACE_O_TRACEFORK) would see everything, so either refuses."""
-    global _closed
-    if _closed:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        fail(
-            f"cannot close this process's memory (PR_SET_DUMPABLE: "
-            f"{os.strerror(ctypes.get_errno())}); no secret was read"
-        )
-    _refuse_a_tracer()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    watched = {signal.SIGCHLD, *FORWARDED}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
-    parent = os.getpid()
-    child = os.fork()
-    if child:
-        _stand_for(child, watched)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # never outlive the parent
-    if os.getppid() != parent:
-        os._exit(1)  # it was killed before the line above
-    _closed = True
-    _refuse_a_tracer()
-
-
-def _refuse_a_tracer() -> None:
-    with open("/proc/self/status") as f:
-        tracer = next((line.split()[1] for line in f if line.startswith("TracerPid:")), "0")
-    if tracer != "0":
-        fail(
-            f"process {tracer} is tracing this one (a debugger, strace, or another program "
-            "of your uid): it could read any secret typed here, so none was read"
-        )
-
-
-def _stand_for(child: int, watched: set[signal.Signals]) -> NoReturn:
-    """The parent's whole remaining life: hold nothing, pass on a signal sent to it
-    by a process (the terminal's already reached the child, in the same process
-    group), and end as the child ends -- its exit status, or its signal."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)  # only the child reads and writes the command's streams
-    while True:
-        info = signal.sigwaitinfo(watched)
-        if info.si_signo != signal.SIGCHLD:
-            if info.si_code != SI_KERNEL:
-                os.kill(child, info.si_signo)
-            continue
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            break
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {-code})
-        os.kill(os.getpid(), -code)
-        code = 128 - code
-    os._exit(code)
+    CAP_SYS_PTRACE, before a secret enters it (`bastion.memory`: the command goes on
+    in a child forked after the prctl; a tracer refuses it)."""
+    try:
+        memory.close()
+    except memory.NotClosed as exc:
+        fail(f"{exc}; no secret was read")
 
 
 def _close_on_parse(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from typing import Any
 
 import asyncssh
 
-from bastion import logfmt, opsock, sdnotify
+from bastion import logfmt, memory, opsock, sdnotify
 from bastion.ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import Auth
@@ -80,8 +79,6 @@ from bastion.vault import RESERVED_PREFIX, Vault, VaultError
 from bastion.witness import Witness, journal_id
 
 log = logging.getLogger("bastion")
-
-PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -439,14 +436,9 @@ def rides_a_master(peer: Peer) -> bool:
 
 
 def harden_process() -> list[str]:
-    """What a same-uid process could otherwise do to the gateway, closed where Linux
-    lets a process close it: no core dumps, no ptrace attach, no /proc/PID/mem
-    (PR_SET_DUMPABLE 0, as ssh-agent does); and as many descriptors as the hard
-    limit allows, so a flood of connections meets the per-uid caps first."""
+    """As many descriptors as the hard limit allows, so a flood of connections meets
+    the per-tenant caps first. (The memory is closed by `run_daemon`: `bastion.memory`.)"""
     notes = []
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        notes.append(f"PR_SET_DUMPABLE failed: {os.strerror(ctypes.get_errno())}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
@@ -460,6 +452,14 @@ def run_daemon(settings: Settings) -> None:
     logfmt.setup(logging.INFO)  # every line of the log escaped (logfmt.py)
     for note in harden_process():
         log.warning("%s", note)
+    # A /proc/PID/mem opened before the prctl still reads this process: the gateway goes
+    # on in a child whose memory nobody could open, and this process only waits for it.
+    first = os.getpid()
+    try:
+        memory.close(sdnotify.hand_over)
+    except memory.NotClosed as exc:
+        raise SystemExit(f"bastion: {exc}; the gateway does not start") from None
+    sdnotify.taken_over(first)
     # asyncssh logs every exec'd command at INFO; commands may carry secrets.
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     asyncio.run(Gateway(settings).run())

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -17,11 +18,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
+import psutil
 import pytest
 
 from bastion.cli.main import main as cli_main
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
-from tests.harness import PASSPHRASE, Agent, Bastion, cli_argv, make_bastion, wait_for
+from tests.harness import (
+    PASSPHRASE,
+    Agent,
+    Bastion,
+    cli_argv,
+    make_bastion,
+    wait_for,
+)
 
 PR_SET_DUMPABLE_READER = """
 import ctypes, sys
@@ -74,8 +83,11 @@ def test_the_gateway_memory_is_closed_to_its_own_uid(
     try:
         wait_for(lambda: b.home.operator_socket.exists(), timeout=30)
         gateway = b.op("status")["pid"]
-        assert gateway == daemon.pid
+        # The gateway is the child `bastion daemon` forked once its memory was closed;
+        # the first process only waits for it. Neither can be read.
+        assert psutil.Process(gateway).ppid() == daemon.pid
         assert probe(gateway) == "PermissionError errno 1"  # EPERM: not dumpable
+        assert probe(daemon.pid) == "PermissionError errno 1"
         # The same probe reads an ordinary process of the same uid and no privilege.
         with subprocess.Popen(unprivileged("sleep", "60")) as ordinary:
             try:
@@ -252,7 +264,7 @@ if how == "stay":
     print("exit", os.waitstatus_to_exitcode(status), flush=True)
     sys.exit(0)
 libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
-secret = os.read(control, 4096).strip()  # told when the command has read it
+secrets = os.read(control, 65536).split(b"\\n")  # told when the command has read them
 text = b""
 while chunk := os.pread(maps, 65536, len(text)):
     text += chunk
@@ -264,7 +276,8 @@ for line in text.decode().splitlines():
         continue
     for at in range(start, end, 1 << 20):
         try:
-            found |= secret in os.pread(mem, min(1 << 20, end - at) + len(secret), at)
+            data = os.pread(mem, min(1 << 20, end - at) + 64, at)
+            found |= any(secret in data for secret in secrets)
         except OSError:
             break
 print("found" if found else "not found", flush=True)
@@ -310,6 +323,59 @@ def test_a_memory_opened_before_the_command_closed_it_never_holds_the_passphrase
         os.close(control_w)
         _, err = reader.communicate(timeout=30)
     assert reader.returncode == 0, err
+
+
+def journal_identity_seed(b: Bastion) -> bytes:
+    """The journal identity's private key, which the gateway uses at every unlock."""
+    from cryptography.hazmat.primitives import serialization
+
+    from bastion.journal import IDENTITY_LABEL
+    from bastion.ops import unlocked
+    from bastion.vault import Vault
+
+    with unlocked(Vault.open(b.home.vault), PASSPHRASE.encode()) as vault:
+        return vault.private_key(IDENTITY_LABEL).pyca_key.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
+
+
+def test_a_memory_opened_before_the_gateway_closed_it_never_holds_a_key(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """The same race against the gateway: a same-uid process opens /proc/PID/mem of
+    `bastion daemon` as it starts, before its PR_SET_DUMPABLE. Once the vault is
+    unlocked (the passphrase, and the journal identity's key certifying the journal),
+    that handle still reads only a process that never held either: the gateway runs in
+    a child forked after the prctl. (Before, the handle read the gateway itself.)"""
+    b = make_bastion(tmp_path, sshd, client_key[0], start=False)
+    control_r, control_w = os.pipe()
+    argv = cli_argv(b.home.root, "daemon", *b.daemon_args)
+    with open(b.log, "ab") as log:
+        reader = subprocess.Popen(
+            unprivileged("/usr/bin/python3", "-c", EARLY_READER, "detach", str(control_r), *argv),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            pass_fds=(control_r,),
+        )
+    os.close(control_r)
+    assert reader.stdout is not None
+    gateway = 0
+    try:
+        reader.stdout.readline()  # it holds the daemon's memory, opened before the prctl
+        wait_for(lambda: b.home.operator_socket.exists(), timeout=30)
+        gateway = b.op("status")["pid"]
+        b.unlock()  # the passphrase, and the journal identity that certifies at unlock
+        os.write(control_w, b"\n".join([PASSPHRASE.encode(), journal_identity_seed(b)]))
+        assert reader.stdout.readline().strip() == b"not found"
+    finally:
+        os.close(control_w)
+        if gateway:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(gateway, signal.SIGTERM)
+        reader.communicate(timeout=60)
+        b.close()
 
 
 def test_a_process_tracing_the_command_gets_no_passphrase(offline_home: Bastion) -> None:

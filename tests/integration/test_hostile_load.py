@@ -372,7 +372,7 @@ def test_agents_are_identified_with_descriptors_past_1023(bastion: Bastion) -> N
         held = [json.loads(h.stdout.readline()) for h in holders if h.stdout is not None]
         result = agent.run("echo past-1023")
         assert (result.rc, result.stdout) == (0, b"past-1023\n"), result.stderr
-        top = max(int(fd) for fd in os.listdir(f"/proc/{bastion.daemon.pid}/fd"))
+        top = max(int(fd) for fd in os.listdir(f"/proc/{bastion.gateway_pid}/fd"))
         assert top > 1023, top
         assert held[:4] == [{"held": 230, "refused": 0}] * 4, held
         assert held[4] == {"held": CONNECTIONS_PER_TENANT, "refused": 44}, held

@@ -278,6 +278,9 @@ def test_an_agent_that_leaves_mid_command_still_gets_an_honest_record(
 
 
 def test_no_intent_on_disk_means_nothing_is_sent(bastion: Bastion, tmp_path: Path) -> None:
+    """With the journal unwritable nothing is sent: since issue 18 the request is
+    refused at its first record (`request_received`), before the gate; the intent's own
+    failure is `tests/unit/test_service.py::test_no_durable_intent_means_nothing_is_sent`."""
     agent = bastion.agent()
     rid = agent.start("true")
     bastion.approve_next()
@@ -285,8 +288,7 @@ def test_no_intent_on_disk_means_nothing_is_sent(bastion: Bastion, tmp_path: Pat
     marker = tmp_path / "sent-without-intent"
     with journal_frozen(bastion.home):
         r = agent.run(f"touch {marker}")
-    assert (
-        r.rc == 70 and r.code == "INTERNAL" and "could not record its intent" in r.error["message"]
-    )
+    assert r.rc == 70 and r.code == "INTERNAL", r.stderr
+    assert "could not write this request to its journal" in r.error["message"]
     assert not marker.exists()
-    assert "could not journal the intent" in bastion.log.read_text()
+    assert "could not journal the request" in bastion.log.read_text()

@@ -252,7 +252,7 @@ def check_operator_answer(line: bytes, must_fail: bool, got: bytes, ended: str) 
 
 def test_fuzzing_both_sockets_leaves_the_gateway_serving(bastion: Bastion) -> None:
     assert bastion.daemon is not None
-    pid = bastion.daemon.pid
+    pid = bastion.gateway_pid
     agent = approved_agent(bastion)
     assert agent.run("echo warm").rc == 0
     baseline = open_fds(pid)
@@ -333,7 +333,7 @@ def test_an_emfile_storm_on_the_agent_socket_is_survived(
         start_daemon_limited(b, 40)  # soft and hard: below the per-uid cap
         b.unlock()
         assert b.daemon is not None
-        pid = b.daemon.pid
+        pid = b.gateway_pid
         agent = approved_agent(b)
         baseline = open_fds(pid)
         flood: list[socket.socket] = []

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+import psutil
 import pytest
 
 from bastion import service_unit
@@ -259,6 +260,11 @@ def test_the_gateway_tells_systemd_ready_watchdog_status_and_stopping(
         stderr=subprocess.STDOUT,
     )
     try:
+        # The process systemd started hands the main pid to the gateway's child first
+        # (`bastion.memory`: the gateway runs in a child forked after PR_SET_DUMPABLE).
+        handed = listener.next()
+        child = int(handed["MAINPID"])
+        assert handed == {"MAINPID": str(child)} and psutil.Process(child).ppid() == daemon.pid
         ready = listener.next()
         assert ready == {"READY": "1", "STATUS": "locked: run `bastion unlock`"}
         # READY came after the sockets listen: an agent's connection is accepted now.

@@ -13,6 +13,7 @@ import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +222,24 @@ async def test_a_failing_status_line_never_stops_the_pings(
             assert await receive(sock) == {"WATCHDOG": "1"}
     finally:
         notifier.stopping()
+
+
+def test_the_first_process_hands_the_main_pid_to_the_gateways_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bastion daemon` runs the gateway in a child (`bastion.memory`): the process
+    systemd started says MAINPID= first, and the child takes over its watchdog."""
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as manager:
+        manager.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        sdnotify.hand_over(4242)
+        assert manager.recv(4096) == b"MAINPID=4242"
+    monkeypatch.setenv("WATCHDOG_PID", "17")
+    sdnotify.taken_over(17)
+    assert os.environ["WATCHDOG_PID"] == str(os.getpid())
+    monkeypatch.setenv("WATCHDOG_PID", "18")  # meant for another process: left alone
+    sdnotify.taken_over(17)
+    assert os.environ["WATCHDOG_PID"] == "18"
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    sdnotify.hand_over(4242)  # not run by systemd: nothing is sent, nothing fails
