@@ -72,7 +72,8 @@ if TYPE_CHECKING:
     "session_hosts",
     multiple=True,
     metavar="NAME",
-    help="Another executable the subject walk never climbs into, like tmux (repeatable).",
+    help="Another executable the subject walk never climbs into, like tmux: a name or a "
+    "glob over the executable's name, e.g. 'emacs-*' (repeatable).",
 )
 @click.pass_context
 def daemon(

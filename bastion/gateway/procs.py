@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bastion.core.subject import Subject
 from bastion.identity import alive
+from bastion.images import stat_fields
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -42,14 +43,9 @@ def stat(pid: int) -> Stat | None:
     """The process's parent and start, or None when it is gone (or unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The name, in parentheses, may hold spaces and parentheses of its own.
-    fields = data[data.rindex(b")") + 2 :].split()
-    try:
+            fields = stat_fields(f.read())
         return Stat(pid, int(fields[1]), int(fields[19]))
-    except (IndexError, ValueError):
+    except (OSError, IndexError, ValueError):
         return None
 
 
