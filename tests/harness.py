@@ -290,6 +290,17 @@ class Bastion:
                 assert time.monotonic() < deadline, "gateway did not start"
                 time.sleep(0.02)
 
+    def check_command(self, host: str, command: str, user: str = USER) -> dict[str, Any]:
+        """`bastion check-command --json`, in process (the same click command)."""
+        from click.testing import CliRunner
+
+        from bastion.cli.main import main as cli_main
+
+        argv = ["--home", str(self.home.root), "check-command", "--json", host, user, command]
+        result = CliRunner().invoke(cli_main, argv)
+        assert result.exit_code in (0, 1), result.output
+        return json.loads(result.output)
+
     @property
     def gateway_pid(self) -> int:
         """The process that is the gateway: the child `bastion daemon` forks once its

@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from bastion.cli.main import main as cli_main
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, find_template
 from tests.harness import USER, Agent, Bastion, make_bastion
 
@@ -104,15 +102,6 @@ def rules_bastion(
         b.close()
 
 
-def check_command(b: Bastion, host: str, command: str) -> dict[str, Any]:
-    """`bastion check-command --json`, in process (the same click command)."""
-    result = CliRunner().invoke(
-        cli_main, ["--home", str(b.home.root), "check-command", "--json", host, USER, command]
-    )
-    assert result.exit_code in (0, 1), result.output
-    return json.loads(result.output)
-
-
 def approved_agent(b: Bastion, host: str) -> Agent:
     """An agent whose session on `host` is approved (the first command rides it)."""
     agent = b.agent()
@@ -137,7 +126,7 @@ def test_every_bypass_raises_a_card_runs_nothing_and_check_command_agrees(
         markers.append(marker)
         attack = entry["attack"].replace("{marker}", str(marker))
         # A per-command account: a command card, which the operator denies.
-        offline = check_command(b, "pc", attack)
+        offline = b.check_command("pc", attack)
         assert offline["verdict"] == "command_card", (entry["name"], offline)
         rid = pc.start(attack, host="pc")
         card = b.next_card()
@@ -154,7 +143,7 @@ def test_every_bypass_raises_a_card_runs_nothing_and_check_command_agrees(
         denied = pc.wait(rid)
         assert (denied.rc, denied.code) == (77, "CALL_DENIED"), (entry["name"], denied.stderr)
         # An account with an allow list: refused at once, and check-command says why.
-        offline = check_command(b, "plain", attack)
+        offline = b.check_command("plain", attack)
         assert (offline["verdict"], offline["code"]) == ("denied", "POLICY_DENIED"), entry["name"]
         refused = plain.run(attack, host="plain")
         assert (refused.rc, refused.code) == (77, "POLICY_DENIED"), (entry["name"], refused.stderr)
@@ -185,7 +174,7 @@ def test_plain_commands_flow_under_the_example_rules(
             "journalctl -u app --since '1 hour ago'",
             "df -h",
         ):
-            assert check_command(b, "pc", command)["preapproved"] is not None
+            assert b.check_command("pc", command)["preapproved"] is not None
             r = agent.run(command, host="pc")
             assert r.error is None, (command, r.stderr)  # the target answered, whatever it said
             assert b.op("pending") == []  # and no command card was raised
@@ -239,7 +228,7 @@ def test_a_word_that_zsh_expands_after_quote_removal_is_shown_as_shell_source(
     b.answer(b.next_card(), True)  # the command: a control, it runs
     assert json.loads(agent.wait(rid).stdout) == ["x"]
     command = f"{printer} ''=ls"
-    offline = check_command(b, "pc", command)
+    offline = b.check_command("pc", command)
     rid = agent.start(command, host="pc")
     card = b.next_card()
     assert card["argv"] is None, card["argv"]
@@ -272,7 +261,7 @@ def test_an_allow_rule_cannot_be_met_with_a_word_zsh_expands(
         copied = sorted(p.name for p in dest.iterdir())
         assert (refused.rc, refused.code, copied) == (77, "POLICY_DENIED", ["notes.txt"])
         assert refused.error is not None and "'=' at byte 5" in refused.error["message"]
-        offline = check_command(b, "plain", attack)
+        offline = b.check_command("plain", attack)
         assert (offline["verdict"], offline["code"]) == ("denied", "POLICY_DENIED")
     finally:
         b.close()
@@ -381,7 +370,7 @@ def test_check_command_says_what_the_gateway_does_for_every_example_rule(
     example_bastion: Bastion, alias: str, field: str, rule: str
 ) -> None:
     command = instance(rule)
-    offline = check_command(example_bastion, alias, command)
+    offline = example_bastion.check_command(alias, command)
     assert (offline["verdict"], offline["code"]) == live_verdict(example_bastion, alias, command)
     if field == "deny":
         assert offline["verdict"] == "denied"

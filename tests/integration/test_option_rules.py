@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from bastion.cli.main import main as cli_main
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import USER, Agent, Bastion, make_bastion
 
@@ -64,14 +62,6 @@ def world(tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]) -> Itera
         b.close()
 
 
-def check(b: Bastion, alias: str, command: str) -> dict[str, Any]:
-    result = CliRunner().invoke(
-        cli_main, ["--home", str(b.home.root), "check-command", "--json", alias, USER, command]
-    )
-    assert result.exit_code in (0, 1), result.output
-    return json.loads(result.output)
-
-
 def session(b: Bastion, alias: str, command: str) -> Agent:
     """An agent approved for `alias` by running `command` (a control that must succeed)."""
     agent = b.agent()
@@ -101,7 +91,7 @@ def test_find_and_tar_options_a_rule_did_not_spell_are_refused_and_run_nothing(
         refused = agent.run(attack, host="web1")
         ran = (refused.rc, refused.code, marker.exists())
         assert ran == (77, "POLICY_DENIED", False), (attack, ran, refused.stderr)
-        offline = check(b, "web1", attack)
+        offline = b.check_command("web1", attack)
         assert (offline["verdict"], offline["code"]) == ("denied", "POLICY_DENIED"), attack
         first = offline["unspelled_options"][0]
         assert (first["field"], first["word"], first["rule"], first["rule_word"]) == (
@@ -116,7 +106,7 @@ def test_find_and_tar_options_a_rule_did_not_spell_are_refused_and_run_nothing(
     # The controls: the programs run without the options, and a rule that spells one admits it.
     assert agent.run(f"tar cf /dev/null {logs}", host="web1").rc == 0
     admitted = f"find {logs} -maxdepth 0 -fprintf {marker} x"
-    offline = check(b, "web1", admitted)
+    offline = b.check_command("web1", admitted)
     assert offline["rule"] == spelled and offline["verdict"] == "no_command_card"
     assert any("-fprintf" in w and spelled in w for w in offline["warnings"])
     assert agent.run(admitted, host="web1").rc == 0
@@ -143,7 +133,7 @@ def test_a_preapproved_rule_does_not_spare_the_card_for_an_option_it_did_not_spe
     denied = agent.wait(rid)
     assert (denied.rc, denied.code) == (77, "CALL_DENIED")
     assert not marker.exists()
-    offline = check(b, "pc", attack)
+    offline = b.check_command("pc", attack)
     assert (offline["verdict"], offline["preapproved"]) == ("command_card", None)
     assert [(u["field"], u["word"]) for u in offline["unspelled_options"]] == [
         ("preapproved", "-fprintf")
@@ -156,7 +146,7 @@ def test_a_deny_rule_still_catches_options(world: Any, tmp_path: Path) -> None:
     (victim / "sub").mkdir(parents=True)
     agent = session(b, "guard", f"ls -la {victim}")  # not rm: it runs
     for command in (f"rm -rf {victim}", f"rm -r -f -- {victim}"):
-        offline = check(b, "guard", command)
+        offline = b.check_command("guard", command)
         assert (offline["verdict"], offline["rule"]) == ("denied", "rm * ..."), command
         refused = agent.run(command, host="guard")
         assert (refused.rc, refused.code) == (77, "POLICY_DENIED"), refused.stderr
