@@ -22,6 +22,17 @@ class Exit(enum.IntEnum):
     INTERNAL = 70  # gateway fault
 
 
+class EndReason(enum.Enum):
+    """Why an earlier approval of a matching subject no longer holds: the
+    `reauth_reason` an agent reads beside the code."""
+
+    PROCESS_CHANGED = "process_changed"
+    GATEWAY_RESTARTED = "gateway_restarted"
+    VAULT_STATE_CHANGED = "vault_state_changed"
+    POLICY_CHANGED = "policy_changed"
+    REVOKED = "revoked"
+
+
 class Code(enum.Enum):
     """Every way the gateway itself can end a request."""
 
@@ -97,3 +108,30 @@ class Failure:
         if self.reauth_reason is not None:
             error["reauth_reason"] = self.reauth_reason
         return json.dumps({"ok": False, "error": error}, ensure_ascii=True).encode() + b"\n"
+
+
+NOT_SENT = "Nothing was sent to the target."
+
+
+@dataclass(frozen=True)
+class Refusal(Exception):
+    """Nothing was sent: the one shape of every ending before an exec request left.
+
+    The gate returns one as its verdict; the parts that carry a decided command out
+    (the slot wait, the intent, the signer, the outbound connection) raise one; the
+    request path journals it (`denied`, or `not_started` once the dispatch began) and
+    the agent reads `failure(request_id)`. Its code is always chosen in `core/`.
+    """
+
+    code: Code
+    message: str
+    reauth_reason: EndReason | None = None
+    cause: str | None = None  # for the journal: what is known of why nothing ran
+
+    def __str__(self) -> str:
+        return self.message
+
+    def failure(self, request_id: str, reason: EndReason | None = None) -> Failure:
+        """What the agent is told; `reason` explains a refusal that followed a card."""
+        why = self.reauth_reason or reason
+        return Failure(self.code, self.message, request_id, why.value if why else None)

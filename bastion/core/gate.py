@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass
 
 from bastion.core.certs import Auth
-from bastion.core.contract import Code, Failure
+from bastion.core.contract import NOT_SENT, Code, EndReason, Failure
 from bastion.core.defaults import MAX_COMMAND_BYTES
 from bastion.core.policy import (
     Account,
@@ -33,16 +33,6 @@ from bastion.core.policy import (
     preapproval,
 )
 from bastion.core.subject import SubjectKey
-
-
-class EndReason(enum.Enum):
-    """Why an earlier approval of a matching subject no longer holds."""
-
-    PROCESS_CHANGED = "process_changed"
-    GATEWAY_RESTARTED = "gateway_restarted"
-    VAULT_STATE_CHANGED = "vault_state_changed"
-    POLICY_CHANGED = "policy_changed"
-    REVOKED = "revoked"
 
 
 class CardKind(enum.Enum):
@@ -163,9 +153,6 @@ class Dispatch:
 
 
 Verdict = Deny | AskSession | AskCommand | Dispatch
-
-NOT_SENT = "Nothing was sent to the target."
-
 
 def validate_command(command: bytes) -> str | None:
     """Why these bytes cannot be run exactly as decided, or None.
