@@ -154,6 +154,7 @@ class Dispatch:
 
 Verdict = Deny | AskSession | AskCommand | Dispatch
 
+
 def validate_command(command: bytes) -> str | None:
     """Why these bytes cannot be run exactly as decided, or None.
 
