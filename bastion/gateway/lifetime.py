@@ -47,15 +47,14 @@ from bastion.gateway.admission import Admission
 from bastion.gateway.agent_doors import AgentDoors
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
-from bastion.gateway.authority import Authority
+from bastion.gateway.assembly import build_service
 from bastion.gateway.certify import Certifier
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
 from bastion.gateway.issuer import Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
-from bastion.gateway.recorder import ForeignRecords, Recorder
+from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
-from bastion.gateway.service import PolicyWatch, Service
 from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
@@ -138,14 +137,14 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self._credential, settings.keepalive_interval, settings.keepalive_count_max
         )
-        self.service = Service(
-            self.boot_id,
-            self.vault,
-            PolicyWatch(PolicyStore(settings.policies), self.recorder),
-            self.book,
-            self.dispatcher,
-            self.recorder,
-            alive,
+        assembly = build_service(
+            boot_id=self.boot_id,
+            vault=self.vault,
+            policy=PolicyWatch(PolicyStore(settings.policies), self.recorder),
+            book=self.book,
+            outbound=self.dispatcher,
+            recorder=self.recorder,
+            alive=alive,
             watch=self.watch,
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
@@ -155,9 +154,12 @@ class Gateway:
             on_sessions_changed=self._save_lifetime,
             certifier=Certifier(self.issuer, self.recorder),
             witnessed=self.witness.intent if self.witness is not None else None,
+            certify=self.certify,
+            unlocked=self._unlocked,
         )
+        self.service = assembly.service
+        self.authority = assembly.authority
         self.foreign = ForeignRecords(self.recorder)
-        self.authority = Authority(self.service, self.vault, self.certify, self._unlocked)
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[ProcessKey, int] = {}
