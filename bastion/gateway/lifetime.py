@@ -426,7 +426,12 @@ def rides_a_master(peer: Peer) -> bool:
     the ssh client that opened it has gone to the background (`-f`, ControlPersist:
     the pid that connected is gone) or it, or a child of it, listens on a unix
     socket (a ControlMaster's control socket). An ssh process the gateway cannot
-    read (another uid, a gateway that is not root) is not known to be one."""
+    read (another uid, a gateway that is not root) is not known to be one.
+
+    An observation of /proc, nothing more: it returns the fact and refuses
+    nothing. The service reads it for each request; what a shared connection
+    means for the request (its code, its words) is decided with the request's
+    other refusals, not here."""
     ssh = ssh_client_of(peer)
     if ssh is None:
         return False
