@@ -3,9 +3,11 @@
 A `Gateway` is one lifetime. Its `boot_id` lives in memory only, so a
 restarted gateway cannot honour anything the previous one granted; the vault
 starts locked. This module builds the parts from the home directory and
-wires them: the request path (`service.py`), the operator's state changes
-(`authority.py`), the agent listener (`agent_ssh.py`) and the operator
-socket (`control.py`). It owns what touches the operating system around
+wires them: the request path (`service.py`) and the operator's state changes
+(`authority.py`) through `assembly.build_service` (the tests' fakes call it
+too), the agent listener (`agent_ssh.py`) and the operator socket
+(`control.py`). `control` and `agent_doors` each read the `Gateway` through a
+`GatewayView` of their own: one object, two narrow views. It owns what touches the operating system around
 them: pidfds that say when an approved process exits, `lifetime.json` for
 the next lifetime's cards, journal certification, the two sockets, and the
 witness bastion.toml asks for (`witness.py`; a bad bastion.toml stops the start).
