@@ -7,10 +7,11 @@ wires them: the request path (`service.py`) and the operator's state changes
 (`authority.py`) through `assembly.build_service` (the tests' fakes call it
 too), the agent listener (`agent_ssh.py`) and the operator socket
 (`control.py`). `control` and `agent_doors` each read the `Gateway` through a
-`GatewayView` of their own: one object, two narrow views. It owns what touches the operating system around
-them: pidfds that say when an approved process exits, `lifetime.json` for
-the next lifetime's cards, journal certification, the two sockets, and the
-witness bastion.toml asks for (`witness.py`; a bad bastion.toml stops the start).
+`GatewayView` of their own: one object, two narrow views. It owns what
+touches the operating system around them: pidfds that say when an approved
+process exits, `lifetime.json` for the next lifetime's cards, journal
+certification, the two sockets, and the witness bastion.toml asks for
+(`witness.py`; a bad bastion.toml stops the start).
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
 """Who may speak for the operator (`core/opguard.admit`), over every combination
 of what the operator socket observes: the peer's uid (the daemon's, root's, or
 another), whether it is inside an agent's process tree, and whether the
-gateway itself runs as root."""
+gateway itself runs as root; and what the socket observes for it."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 
 import pytest
 
+from bastion import identity
 from bastion.core.opguard import INSIDE_AN_AGENT, ROOT_UID, Caller, admit
+from bastion.gateway.opserver import observe
 
 DAEMON = 1000
 OTHER = 1001
@@ -50,3 +54,16 @@ def test_root_inside_an_agent_is_refused() -> None:
     """Root may speak for the operator, but not from below an agent (a sudo in its tree)."""
     assert admit(Caller(ROOT_UID, True), DAEMON) == INSIDE_AN_AGENT
     assert "agent's process tree" in INSIDE_AN_AGENT  # what the CLI prints after "refused: "
+
+
+def test_the_operator_socket_observes_the_uid_and_the_process_tree() -> None:
+    """The edge's half (`opserver.observe`): the kernel's uid for the peer, and
+    whether it or an ancestor is a known agent process -- here, this test itself."""
+    me = (os.getpid(), identity._start_time(os.getpid()))
+    parent = (os.getppid(), identity._start_time(os.getppid()))
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert observe(a, set()) == Caller(os.getuid(), False)
+        assert observe(a, {me}) == Caller(os.getuid(), True)
+        assert observe(a, {parent}) == Caller(os.getuid(), True)  # an ancestor counts
+        assert observe(a, {(os.getpid(), 1.0)}) == Caller(os.getuid(), False)  # pid reused
