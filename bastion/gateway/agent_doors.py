@@ -48,8 +48,9 @@ WALK_WAIT = 20.0  # seconds a walk may wait for its turn (the proxy waits 30 s f
 T = TypeVar("T")
 
 
-class Lifetime(Protocol):
-    """What the doors read of the lifetime that owns them (`lifetime.Gateway`)."""
+class GatewayView(Protocol):
+    """The part of the one `lifetime.Gateway` the doors read: the Gateway that
+    owns them, seen through what they use of it (control has its own view)."""
 
     boot_id: str
     resolver: Resolver
@@ -62,7 +63,7 @@ class Lifetime(Protocol):
 class AgentDoors:
     def __init__(
         self,
-        gw: Lifetime,
+        gw: GatewayView,
         policy: Callable[[], Policy | PolicyError],
         requests: RequestIndex,
         tenants: Tenants,

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from bastion.core.cards import Card
 from bastion.core.events import EventType
 from bastion.core.gate import Answer, EndReason
 from bastion.core.subject import Subject
-from bastion.gateway.service import Service, VaultState
+from bastion.gateway.approvals import ApprovalBook
+from bastion.gateway.recorder import Recorder
+from bastion.gateway.service import VaultState
 from bastion.vault import WrongPassphrase
 
 log = logging.getLogger("bastion")
@@ -27,21 +29,35 @@ UNLOCK_MAX = 30.0
 
 
 class Authority:
+    """The operator's side of the approval book. The request path (`Service`) is
+    the other side: both are handed the same book, recorder and vault by
+    `assembly.build_service`, and neither reaches into the other. Of the requests
+    in flight it sees only their ids and the means to end one (`in_flight`, `kill`).
+    """
+
     def __init__(
         self,
-        service: Service,
+        *,
         vault: VaultState,
+        book: ApprovalBook,
+        recorder: Recorder,
+        retire_connections: Callable[[], None],
+        alive: Callable[[int, float], bool],
+        in_flight: Callable[[], list[str]],
+        kill: Callable[[str], Awaitable[None]],
         certify: Callable[[], None] = lambda: None,
         unlocked: Callable[[], None] = lambda: None,
     ) -> None:
-        self.service = service
         self.vault = vault
+        self.book = book
+        self.recorder = recorder
+        # The vault changed state: no pooled connection is reused (`Dispatcher.retire_all`).
+        self.retire_connections = retire_connections
+        self.alive = alive
+        self.in_flight = in_flight  # the ids of the commands in flight, now
+        self.kill = kill  # signal one, then stop waiting for it (`Service.kill`)
         self.certify = certify
         self.unlocked = unlocked  # what the lifetime does once the identity is at hand
-        self.book = service.book
-        self.recorder = service.recorder
-        self.outbound = service.outbound
-        self.alive = service.alive
         self._unlocking = asyncio.Lock()
         self._failures = 0  # wrong passphrases in a row
 
@@ -104,15 +120,15 @@ class Authority:
         self._vault_changed(locked=True)
         ended: list[str] = []
         if terminate:
-            ended = list(self.service.inflight)
+            ended = self.in_flight()
             self.recorder.record(EventType.OPERATOR_TERMINATE, {"requests": ended})
-            await asyncio.gather(*(self.service.kill(rid) for rid in ended))
+            await asyncio.gather(*(self.kill(rid) for rid in ended))
         return ended
 
     def _vault_changed(self, locked: bool) -> None:
         ended = self.book.end_sessions(lambda g: True, EndReason.VAULT_STATE_CHANGED)
         withdrawn = self.book.withdraw(lambda c: True, Answer.WITHDRAWN_LOCKED)
-        self.outbound.retire_all()
+        self.retire_connections()
         kind = EventType.VAULT_LOCKED if locked else EventType.VAULT_UNLOCKED
         self.recorder.record(kind, {"epoch": self.vault.epoch})
         log.info(

@@ -84,8 +84,9 @@ class Settings(Protocol):
     def agent_socket(self) -> Path: ...
 
 
-class GatewayParts(Protocol):
-    """What control reads of the lifetime that built it (`lifetime.Gateway`)."""
+class GatewayView(Protocol):
+    """The part of the one `lifetime.Gateway` control reads: the Gateway that
+    built it, seen through what it uses of it (the agent doors have their own view)."""
 
     boot_id: str
     home: Home
@@ -108,7 +109,7 @@ class GatewayParts(Protocol):
 
 
 class Control:
-    def __init__(self, gateway: GatewayParts) -> None:
+    def __init__(self, gateway: GatewayView) -> None:
         self.gw = gateway
         self.service = gateway.service
         self.authority = gateway.authority

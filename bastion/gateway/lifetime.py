@@ -3,12 +3,15 @@
 A `Gateway` is one lifetime. Its `boot_id` lives in memory only, so a
 restarted gateway cannot honour anything the previous one granted; the vault
 starts locked. This module builds the parts from the home directory and
-wires them: the request path (`service.py`), the operator's state changes
-(`authority.py`), the agent listener (`agent_ssh.py`) and the operator
-socket (`control.py`). It owns what touches the operating system around
-them: pidfds that say when an approved process exits, `lifetime.json` for
-the next lifetime's cards, journal certification, the two sockets, and the
-witness bastion.toml asks for (`witness.py`; a bad bastion.toml stops the start).
+wires them: the request path (`service.py`) and the operator's state changes
+(`authority.py`) through `assembly.build_service` (the tests' fakes call it
+too), the agent listener (`agent_ssh.py`) and the operator socket
+(`control.py`). `control` and `agent_doors` each read the `Gateway` through a
+`GatewayView` of their own: one object, two narrow views. It owns what
+touches the operating system around them: pidfds that say when an approved
+process exits, `lifetime.json` for the next lifetime's cards, journal
+certification, the two sockets, and the witness bastion.toml asks for
+(`witness.py`; a bad bastion.toml stops the start).
 """
 
 from __future__ import annotations
@@ -47,15 +50,14 @@ from bastion.gateway.admission import Admission
 from bastion.gateway.agent_doors import AgentDoors
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
-from bastion.gateway.authority import Authority
+from bastion.gateway.assembly import build_service
 from bastion.gateway.certify import Certifier
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
 from bastion.gateway.issuer import Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
-from bastion.gateway.recorder import ForeignRecords, Recorder
+from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
-from bastion.gateway.service import PolicyWatch, Service
 from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
@@ -138,14 +140,14 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self._credential, settings.keepalive_interval, settings.keepalive_count_max
         )
-        self.service = Service(
-            self.boot_id,
-            self.vault,
-            PolicyWatch(PolicyStore(settings.policies), self.recorder),
-            self.book,
-            self.dispatcher,
-            self.recorder,
-            alive,
+        assembly = build_service(
+            boot_id=self.boot_id,
+            vault=self.vault,
+            policy=PolicyWatch(PolicyStore(settings.policies), self.recorder),
+            book=self.book,
+            outbound=self.dispatcher,
+            recorder=self.recorder,
+            alive=alive,
             watch=self.watch,
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
@@ -155,9 +157,12 @@ class Gateway:
             on_sessions_changed=self._save_lifetime,
             certifier=Certifier(self.issuer, self.recorder),
             witnessed=self.witness.intent if self.witness is not None else None,
+            certify=self.certify,
+            unlocked=self._unlocked,
         )
+        self.service = assembly.service
+        self.authority = assembly.authority
         self.foreign = ForeignRecords(self.recorder)
-        self.authority = Authority(self.service, self.vault, self.certify, self._unlocked)
         self.host_key = asyncssh.read_private_key(str(self.home.host_key))
         self.same_uid_agent_seen = False
         self._watches: dict[ProcessKey, int] = {}
@@ -424,7 +429,12 @@ def rides_a_master(peer: Peer) -> bool:
     the ssh client that opened it has gone to the background (`-f`, ControlPersist:
     the pid that connected is gone) or it, or a child of it, listens on a unix
     socket (a ControlMaster's control socket). An ssh process the gateway cannot
-    read (another uid, a gateway that is not root) is not known to be one."""
+    read (another uid, a gateway that is not root) is not known to be one.
+
+    An observation of /proc, nothing more: it returns the fact and refuses
+    nothing. The service reads it for each request; what a shared connection
+    means for the request (its code, its words) is decided with the request's
+    other refusals, not here."""
     ssh = ssh_client_of(peer)
     if ssh is None:
         return False

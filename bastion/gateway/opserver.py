@@ -1,9 +1,10 @@
 """The operator socket, server side: the only door a person's decisions come through.
 
-Its guard is `admit`: the peer must have the daemon's uid (or be root), and
-must not descend from any process the gateway knows as an agent -- so an
-agent cannot approve itself even when it runs as the same user. What each
-request does is `control.py`'s business.
+Its guard is `core/opguard.admit`: the peer must have the daemon's uid (or be
+root), and must not descend from any process the gateway knows as an agent --
+so an agent cannot approve itself even when it runs as the same user. This
+module only observes the peer for it (`observe`: the kernel's uid, the walk up
+the process tree). What each request does is `control.py`'s business.
 
 Every line gets one JSON answer: a request too long, nested too deeply, not
 JSON, naming no known op, or with arguments of the wrong type is answered
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from bastion.core import opguard
 from bastion.identity import descends_from, peer_credentials
 from bastion.opsock import MAX_LINE, OperatorError, loads_line
 
@@ -105,19 +107,11 @@ def failure_kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def admit(
-    sock: socket.socket, daemon_uid: int, agent_processes: set[tuple[int, float]]
-) -> str | None:
-    """Why this peer may not speak for the operator, or None if it may."""
+def observe(sock: socket.socket, agent_processes: set[tuple[int, float]]) -> opguard.Caller:
+    """What `opguard.admit` decides on: the peer's uid, and whether it (or an
+    ancestor) is one of `agent_processes`. Observed, not judged."""
     pid, uid, _ = peer_credentials(sock)
-    if uid not in (daemon_uid, 0):
-        return f"uid {uid} is not the gateway's operator"
-    if descends_from(pid, agent_processes):
-        return (
-            "this request comes from inside an agent's process tree; an agent cannot "
-            "answer for the operator. Run it from the operator's own terminal."
-        )
-    return None
+    return opguard.Caller(uid, descends_from(pid, agent_processes))
 
 
 class OperatorServer:
@@ -208,7 +202,8 @@ async def _converse(
     agent_processes: Callable[[], set[tuple[int, float]]],
 ) -> None:
     """Answer each line; a malformed one is answered once and ends the connection."""
-    refusal = admit(writer.get_extra_info("socket"), daemon_uid, agent_processes())
+    caller = observe(writer.get_extra_info("socket"), agent_processes())
+    refusal = opguard.admit(caller, daemon_uid)
     while True:
         try:
             line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT)

@@ -1,10 +1,11 @@
 """Fakes for the gateway service: every part it is built from, in memory.
 
-`World` below builds a `Service` and an `Authority` exactly as the gateway
-does (`gateway/lifetime.py`), but over a vault, a policy, a journal, an
-outbound dispatcher, a clock and timers that the test controls. Nothing here
-sleeps or touches the network: a test moves time and answers connections
-itself, and `settle` runs the event loop until every task waits again.
+`Lifetime` below builds a `Service` and an `Authority` with the function the
+gateway uses (`gateway/assembly.build_service`), but over a vault, a policy, a
+journal, an outbound dispatcher, a clock and timers that the test controls.
+Nothing here sleeps or touches the network: a test moves time and answers
+connections itself, and `settle` runs the event loop until every task waits
+again.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from bastion.core.events import EventType, Outcome, Result
 from bastion.core.policy import Account, Host, Policy, PolicyError, build_policy
 from bastion.core.subject import Peer, ProcessInfo, Subject
 from bastion.gateway.approvals import ApprovalBook
-from bastion.gateway.authority import Authority
+from bastion.gateway.assembly import build_service
 from bastion.gateway.recorder import Recorder
-from bastion.gateway.service import AgentConn, PolicyWatch, Service
+from bastion.gateway.service import AgentConn, PolicyWatch
 from bastion.journal import JournalError
 from bastion.vault import VaultLocked, WrongPassphrase
 
@@ -340,20 +341,21 @@ class Lifetime:
         self.book = ApprovalBook(self.boot_id, command_ttl=command_ttl, clock=clock)
         self.outbound = outbound or FakeOutbound()
         self.timers = FakeTimers()
-        self.service = Service(
-            self.boot_id,
-            vault,
-            PolicyWatch(policy_source, self.recorder),
-            self.book,
-            self.outbound,
-            self.recorder,
-            tree.alive,
+        assembly = build_service(
+            boot_id=self.boot_id,
+            vault=vault,
+            policy=PolicyWatch(policy_source, self.recorder),
+            book=self.book,
+            outbound=self.outbound,
+            recorder=self.recorder,
+            alive=tree.alive,
             watch=tree.watch,
             schedule=self.timers,
             clock=clock,
             approval_timeout=120.0,
         )
-        self.authority = Authority(self.service, vault)
+        self.service = assembly.service
+        self.authority = assembly.authority
 
     def connect(self, agent: Agent, host: str = "web1", user: str = "deploy") -> AgentConn:
         conn = AgentConn(agent.peer(), host, user)
