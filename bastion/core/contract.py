@@ -12,6 +12,8 @@ import enum
 import json
 from dataclasses import dataclass
 
+from bastion.core.errors import BastionError
+
 
 class Exit(enum.IntEnum):
     """Exit statuses that tell an agent which kind of ending it met."""
@@ -114,7 +116,7 @@ NOT_SENT = "Nothing was sent to the target."
 
 
 @dataclass(frozen=True)
-class Refusal(Exception):
+class Refusal(BastionError):
     """Nothing was sent: the one shape of every ending before an exec request left.
 
     The gate returns one as its verdict; the parts that carry a decided command out
