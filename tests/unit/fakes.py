@@ -1,6 +1,6 @@
 """Fakes for the gateway service: every part it is built from, in memory.
 
-`World` below builds a `Service` and an `Authority` exactly as the gateway
+`Lifetime` below builds a `Service` and an `Authority` as the gateway
 does (`gateway/lifetime.py`), but over a vault, a policy, a journal, an
 outbound dispatcher, a clock and timers that the test controls. Nothing here
 sleeps or touches the network: a test moves time and answers connections
