@@ -18,8 +18,8 @@ class BastionError(Exception):
 
     Every exception class the package defines descends from this one. Each entry
     is `module.Class` under `bastion`; `[ValueError]` names a second base that
-    callers catch it by. The one agent-facing shape is `Refusal`: the others are
-    the operator's, the files', or the agent-side client's.
+    callers catch it by. `Refusal` is the one that carries an agent-facing code
+    (chosen in `core/`) to the agent, the journal and the MCP door.
 
         BastionError
         ├── core.contract.Refusal -- nothing was sent: a verdict, or an ending before the exec
