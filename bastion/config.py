@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
+from bastion.core.errors import BastionError
 
 WITNESS_KEYS = ("file", "syslog", "every", "buffer_max", "when_full")
 EXPORT_KEYS = ("with_commands",)
@@ -54,7 +55,7 @@ CA_BACKENDS = ("vault", "openbao")
 WHEN_FULL = ("continue", "refuse")
 
 
-class ConfigError(Exception):
+class ConfigError(BastionError):
     """bastion.toml cannot be used as written; the message names file and key."""
 
 

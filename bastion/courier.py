@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.config import SyslogTarget
+from bastion.core.errors import BastionError
 
 log = logging.getLogger("bastion")
 
@@ -215,7 +216,7 @@ class Spool:
 # -- the witnesses ----------------------------------------------------------------------------
 
 
-class Undelivered(Exception):
+class Undelivered(BastionError):
     """A delivery failed after its first `delivered` entries were confirmed."""
 
     def __init__(self, delivered: int, why: str) -> None:

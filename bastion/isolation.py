@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bastion.core.errors import BastionError
 from bastion.home import Home
 
 DEFAULT_USER = "bastion-agent"
@@ -44,7 +45,7 @@ KEEP_OUT = ("home", "vault", "policies", "journal", "host_key", "operator_socket
 DOOR = ("socket_dir", "agent_socket", "sealed")
 
 
-class IsolationError(Exception):
+class IsolationError(BastionError):
     """Isolation is not set up, or cannot be: the message says what to do."""
 
 

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from bastion.core.errors import BastionError
+
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 SI_KERNEL = 0x80  # siginfo's si_code of a signal the kernel sent (the terminal's ^C, ^\)
 FORWARDED = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
@@ -29,7 +31,7 @@ FORWARDED = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQ
 _closed = False  # this process is the child `close` made: its memory is closed
 
 
-class NotClosed(Exception):
+class NotClosed(BastionError):
     """The memory could not be closed; the message says why, and nothing secret was read."""
 
 

@@ -22,10 +22,11 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
 from bastion import ca, journal
 from bastion.core import events
+from bastion.core.errors import BastionError
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError, load_private_key_file
 
 
-class OpsError(Exception):
+class OpsError(BastionError):
     """An operator action that cannot be done as asked; the message says why."""
 
 

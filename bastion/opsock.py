@@ -2,7 +2,8 @@
 
 Every CLI command that talks to the gateway goes through `call`. The server
 side, with its guard on who may speak for the operator, is
-`gateway/opserver.py`. Standard library only, so the CLI starts fast.
+`gateway/opserver.py`. Standard library only (and the import-free root exception,
+`core/errors`), so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import re
 import socket
 from pathlib import Path
 from typing import Any
+
+from bastion.core.errors import BastionError
 
 MAX_LINE = 1 << 20  # a request; the gateway refuses a longer one
 # An answer: the gateway is the operator's own process, and its audit views grow with
@@ -23,7 +26,7 @@ _TOKEN = re.compile(rb'[][{}"]')
 _REST_OF_STRING = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)
 
 
-class OperatorError(Exception):
+class OperatorError(BastionError):
     """An operator request failed; the message is for a person to read."""
 
 

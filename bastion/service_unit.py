@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path, PurePosixPath
 
+from bastion.core.errors import BastionError
+
 UNIT_NAME = "bastion.service"
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
 WATCHDOG_SEC = 30
@@ -127,7 +129,7 @@ class UnitInputs:
     watchdog_sec: int = WATCHDOG_SEC
 
 
-class UnitError(ValueError):
+class UnitError(BastionError, ValueError):
     """An input the unit cannot express."""
 
 

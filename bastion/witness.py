@@ -17,7 +17,7 @@ default template included (`parse_line`):
 homes, and heads of other journals are ignored. The `file` witness gets the
 heads; `syslog` gets the heads and the summaries, whose command text is None
 unless bastion.toml's [export] `with_commands` is true. Delivery (the spool, the
-transports, retries) is `courier.py`'s; see docs/architecture.md, The witness.
+transports, retries) is `courier.py`'s; see docs/architecture.md, "The witness".
 """
 
 from __future__ import annotations

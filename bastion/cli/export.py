@@ -50,6 +50,7 @@ import click
 
 from bastion import opsock
 from bastion.cli.common import fail, home_of, passphrase_option, read_passphrase
+from bastion.core.errors import BastionError
 
 if TYPE_CHECKING:
     from bastion.journal import Record
@@ -64,16 +65,17 @@ MAX_LINE = 1 << 24
 OFFLINE_HINT = "or export offline with --passphrase-stdin or --keyring"
 
 
-class ReaderGone(Exception):
+class ReaderGone(BastionError):
     """Whoever read stdout closed it."""
 
 
-class Away(Exception):
+class Away(BastionError):
     """The gateway is not there or not usable yet (stopped, restarting, locked)."""
 
 
-class Refused(Exception):
-    """The gateway said no, and asking again will not change its answer."""
+class ExportAborted(BastionError):
+    """The export stops for good: the gateway said no (or sent what is not a JSON
+    object), and asking again will not change that. `Away` is the kind that may."""
 
 
 # -- formats --------------------------------------------------------------------------------
@@ -228,9 +230,9 @@ def gateway_stream(
                 try:
                     doc = opsock.loads_line(line)
                 except ValueError:
-                    raise Refused("the gateway sent a line that is not JSON") from None
+                    raise ExportAborted("the gateway sent a line that is not JSON") from None
                 if not isinstance(doc, dict):
-                    raise Refused("the gateway sent a line that is not a JSON object")
+                    raise ExportAborted("the gateway sent a line that is not a JSON object")
                 yield doc
         except TimeoutError:
             raise Away(f"no word from the gateway for {READ_TIMEOUT:g}s") from None
@@ -251,7 +253,7 @@ def from_gateway(
     """Print the gateway's stream. `connect(since)` opens one; with `follow`, a
     stream that ends is opened again after the last seq printed, for as long as
     the gateway comes back (and is unlocked) within `retry_for` seconds of
-    leaving. Raises Refused when there is no point asking again; returns at the
+    leaving. Raises ExportAborted when there is no point asking again; returns at the
     end of the records (without follow) or when `idle()` says stdout is gone."""
     away_since: float | None = None
     pause = RETRY_PAUSE[0]
@@ -262,7 +264,7 @@ def from_gateway(
                     kind = doc.get("event")
                     if doc.get("ok") is False:
                         error = str(doc.get("error") or "the gateway refused the export")
-                        raise (Away if doc.get("retryable") else Refused)(error)
+                        raise (Away if doc.get("retryable") else ExportAborted)(error)
                     if kind == "record" and isinstance(doc.get("record"), dict):
                         out.event(doc["record"])
                     elif kind == "hello":
@@ -286,7 +288,7 @@ def from_gateway(
                     f"to resume after seq {out.last}"
                 )
             elif now - away_since >= retry_for:
-                raise Refused(
+                raise ExportAborted(
                     f"the gateway was not back and unlocked within {retry_for:g}s ({exc}); "
                     f"seq {out.last} was the last printed: resume with --since {out.last}"
                 ) from None
@@ -439,7 +441,7 @@ def export(
         if out.printed:
             fail(f"{exc}; the export stopped after seq {out.last}: resume with --since {out.last}")
         fail(str(exc) if "--passphrase-stdin" in str(exc) else f"{exc}, {OFFLINE_HINT}")
-    except Refused as exc:
+    except ExportAborted as exc:
         fail(str(exc))
     except ReaderGone:
         _quiet_stdout()

@@ -1,8 +1,17 @@
-"""The audited core: records, the policy model, the gate, the journal's vocabulary.
+"""The audited core: where bastion decides, and the records it decides over.
 
-Everything here is a pure function or an immutable record. It imports the
-standard library and `cryptography` only -- no asyncio, no asyncssh, no
-psutil, no sockets, no file I/O (`tests/unit/test_architecture.py` checks the
-imports of every module in this package). The gateway, the CLI and the
-journal are shells around it; see docs/architecture.md, "Trust boundaries".
+`gate` (the decision: a request in a world to a verdict), `policy` (the policy
+model), `command` (a command read as the target's shell reads it), `subject`
+(who asks), `certs` (what a per-command certificate says), `cards` (what a
+person is asked), `contract` (what an agent is told: codes, exit statuses, the
+`Refusal`), `errors` (the root exception), `events` (the journal's vocabulary
+and its folds), `display` (what a person is shown), `options` (options that
+run programs), `defaults` (every tunable, once).
+
+Every module here holds pure functions, immutable records and enums only, and
+imports the standard library's pure parts and `cryptography` only -- no
+asyncio, no asyncssh, no psutil, no sockets, no file I/O
+(`tests/unit/test_architecture.py` checks the imports of every module in this
+package). The gateway, the CLI and the journal are shells around it; see
+docs/architecture.md, "The rooms".
 """

@@ -16,6 +16,8 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
+from bastion.core.errors import BastionError
+
 DEFAULT_TTL = 60  # seconds a certificate is valid after it is signed
 MIN_TTL, MAX_TTL = 5, 3600
 # Valid from a little before now: a target whose clock runs behind the gateway's
@@ -31,7 +33,7 @@ class Auth(enum.Enum):
     CERTIFICATE = "certificate"  # a fresh key and a certificate per command, no pooling
 
 
-class CertError(ValueError):
+class CertError(BastionError, ValueError):
     """A certificate cannot say exactly what was approved; the message says why."""
 
 

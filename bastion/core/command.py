@@ -29,6 +29,8 @@ import fnmatch
 import json
 from dataclasses import dataclass
 
+from bastion.core.errors import BastionError
+
 MAX_CONSTRUCTS = 32  # a card lists this many; the count says if there were more
 
 # Characters some POSIX shell gives a meaning to when they stand unquoted.
@@ -302,7 +304,7 @@ class WordRule:
         return fnmatch.fnmatchcase(command, self.text)
 
 
-class RuleError(ValueError):
+class RuleError(BastionError, ValueError):
     """A rule that is not a list of words; the message shows the new form."""
 
 

@@ -1,4 +1,4 @@
-"""The agent-facing error contract, in one place (docs/architecture.md, "What the agent sees").
+"""The agent-facing error contract, in one place (README, "What the agent sees").
 
 An agent reads exactly two things when the gateway ends its request: the exit
 status and the last stderr line, a JSON object. Both are derived here from a
@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+
+from bastion.core.errors import BastionError
 
 
 class Exit(enum.IntEnum):
@@ -114,7 +116,7 @@ NOT_SENT = "Nothing was sent to the target."
 
 
 @dataclass(frozen=True)
-class Refusal(Exception):
+class Refusal(BastionError):
     """Nothing was sent: the one shape of every ending before an exec request left.
 
     The gate returns one as its verdict; the parts that carry a decided command out

@@ -5,10 +5,55 @@ decided, and nothing that is a bug (a `TypeError`, an `AssertionError`) or the
 system's own (an `OSError` that no bastion code wrapped). The tree of its
 subclasses is drawn in the docstring of `BastionError`, and
 `tests/unit/test_errors.py` keeps the drawing true.
+
+Import-free on purpose: the standard-library-only operator wire (`opsock`) and
+the devtools subclass it without pulling in anything else.
 """
 
 from __future__ import annotations
 
 
 class BastionError(Exception):
-    """Something bastion refused or could not do, told in words a person can act on."""
+    """Something bastion refused or could not do, told in words a person can act on.
+
+    Every exception class the package defines descends from this one. Each entry
+    is `module.Class` under `bastion`; `[ValueError]` names a second base that
+    callers catch it by. `Refusal` is the one that carries an agent-facing code
+    (chosen in `core/`) to the agent, the journal and the MCP door.
+
+        BastionError
+        ├── core.contract.Refusal -- nothing was sent: a verdict, or an ending before the exec
+        ├── core.certs.CertError [ValueError] -- a certificate cannot say exactly what was approved
+        ├── core.command.RuleError [ValueError] -- a rule that is not a list of words
+        ├── core.policy.PolicyError -- the policy cannot be trusted as written
+        ├── config.ConfigError -- bastion.toml cannot be used as written
+        ├── identity.IdentityError -- the peer could not be identified
+        ├── journal.JournalError -- the journal cannot be used as asked
+        ├── vault_file.VaultError -- a vault failure a person can act on
+        │   ├── vault_file.WrongPassphrase
+        │   ├── vault_file.VaultLocked
+        │   └── vault_file.KeyFilePassphraseNeeded
+        ├── isolation.IsolationError -- isolation is not set up, or cannot be
+        ├── memory.NotClosed -- the memory could not be closed to its uid
+        ├── ops.OpsError -- an operator action that cannot be done as asked
+        ├── opsock.OperatorError -- an operator request failed
+        │   └── opsock.GatewayNotRunning
+        ├── service_unit.UnitError [ValueError] -- an input the systemd unit cannot express
+        ├── courier.Undelivered -- a witness delivery failed part way
+        ├── agent_exec.AgentError -- the agent-side client could not get a usable answer
+        │   ├── agent_exec.Unsupported -- the model's input, refused before asking
+        │   ├── agent_exec.Busy -- the gateway did not answer in time
+        │   └── agent_exec.Declined -- the gateway said no (today `Refused`; name guessed)
+        ├── cli.export.ReaderGone -- whoever read the export closed it
+        ├── cli.export.Away -- the gateway is not there yet; asking again may work
+        ├── cli.export.ExportAborted -- the export stops; asking again will not help
+        ├── gateway.agent_ssh.TooManyConnections -- a tenant, or all agents, hold their share
+        ├── gateway.approvals.CardError -- an operator answer that cannot be applied
+        ├── gateway.export.StreamStopped -- the gateway ends an export stream
+        ├── gateway.openbao.LoginError [ValueError] -- a sealed login of neither shape
+        ├── gateway.outbound._ChannelRefused -- the target refused a channel on a shared connection
+        ├── gateway.tenants.RunRefused [ValueError] -- a run that would nest, or one too many
+        ├── devtools.openbao.OpenBaoError [RuntimeError]
+        ├── devtools.rsyslog.RsyslogError [RuntimeError]
+        └── devtools.sshd_setup.SshdError [RuntimeError]
+    """

@@ -37,6 +37,7 @@ from bastion.core.command import (
     parse_rules,
     read_command,
 )
+from bastion.core.errors import BastionError
 
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -66,7 +67,7 @@ _HOST_KEY_TYPES = (
 )
 
 
-class PolicyError(Exception):
+class PolicyError(BastionError):
     """The policy cannot be trusted as written; the message names file, host and field."""
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from bastion.core.errors import BastionError
 from bastion.devtools.sshd_setup import LOOPBACK, free_port
 
 BAO_ENV = "BASTION_BAO"  # another bao binary than the venv's or PATH's
@@ -50,7 +51,7 @@ AUDIT_PLAIN_REQUEST_KEYS = ("key_id", "valid_principals")
 AUDIT_PLAIN_RESPONSE_KEYS = ("serial_number",)
 
 
-class OpenBaoError(RuntimeError):
+class OpenBaoError(BastionError, RuntimeError):
     """The dev server could not be started or set up; the message carries its words."""
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from bastion.core.errors import BastionError
 from bastion.devtools.sshd_setup import LOOPBACK, free_port
 
 RSYSLOGD_ENV = "BASTION_RSYSLOGD"  # another rsyslogd binary than the one on PATH
@@ -44,7 +45,7 @@ action(type="omfile" file="{output}")
 """
 
 
-class RsyslogError(RuntimeError):
+class RsyslogError(BastionError, RuntimeError):
     """rsyslogd could not be started as asked; the message carries its own words."""
 
 

@@ -21,6 +21,8 @@ from string import Template
 
 import psutil
 
+from bastion.core.errors import BastionError
+
 #: Overrides the template location, e.g. when this module runs from an installed package
 #: that does not ship the fixtures directory.
 TEMPLATE_ENV = "BASTION_SSHD_TEMPLATE"
@@ -47,7 +49,7 @@ _BIND_FAILURE_MARKERS = ("Bind to port", "Cannot bind any address", "Address alr
 _LOG_TAIL_LINES = 40
 
 
-class SshdError(RuntimeError):
+class SshdError(BastionError, RuntimeError):
     """The fixture could not do what was asked; the message carries sshd's own words."""
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bastion import journal
+from bastion.core.errors import BastionError
 from bastion.core.events import EventType, export_event
 from bastion.journal import IDENTITY_LABEL, Record
 from bastion.vault import VaultError, VaultLocked
@@ -91,7 +92,7 @@ def arguments(args: dict[str, Any]) -> tuple[int, bool, bool]:
     return since, flags[0], flags[1]
 
 
-class Refused(Exception):
+class StreamStopped(BastionError):
     """The stream cannot go on; `retryable` when asking again later may work."""
 
     def __init__(self, message: str, retryable: bool = False) -> None:
@@ -105,13 +106,13 @@ class Refused(Exception):
 def _identity(gw: ExportParts) -> Any:
     """The journal identity's private key, for one batch (never kept across one)."""
     if gw.vault.locked:
-        raise Refused(LOCKED, retryable=True)
+        raise StreamStopped(LOCKED, retryable=True)
     try:
         return gw.vault.private_key(IDENTITY_LABEL).pyca_key
     except VaultLocked:  # locked meanwhile
-        raise Refused(LOCKED, retryable=True) from None
+        raise StreamStopped(LOCKED, retryable=True) from None
     except VaultError as exc:
-        raise Refused(f"cannot read the journal identity: {exc}") from None
+        raise StreamStopped(f"cannot read the journal identity: {exc}") from None
 
 
 class Exporter:
@@ -195,7 +196,7 @@ def _contiguous(last: int, records: list[Record]) -> bool:
 
 async def _catch_up(gw: ExportParts, exporter: Exporter) -> AsyncIterator[dict[str, Any]]:
     """A record line for every record on disk after `exporter.last`, read and
-    decrypted chunk by chunk in worker threads; Refused when the vault locks."""
+    decrypted chunk by chunk in worker threads; StreamStopped when the vault locks."""
     records: Iterator[Record] = journal.records(gw.home.journal)
     while True:
         chunk = await asyncio.to_thread(lambda: list(itertools.islice(records, CHUNK)))
@@ -213,7 +214,7 @@ async def _follow(gw: ExportParts, exporter: Exporter, feed: Feed) -> AsyncItera
     while True:
         if not await feed.wait(PING):
             if gw.vault.locked:
-                raise Refused(LOCKED, retryable=True)
+                raise StreamStopped(LOCKED, retryable=True)
             yield {"event": "ping"}
             continue
         queued, overflowed = feed.take()
@@ -242,7 +243,7 @@ async def export_stream(gw: ExportParts, args: dict[str, Any]) -> AsyncIterator[
         try:
             since, follow, with_commands = arguments(args)
         except ValueError as exc:
-            raise Refused(str(exc)) from None
+            raise StreamStopped(str(exc)) from None
         _identity(gw)  # refuse a locked vault before anything else (the key is not kept)
         sinks.append(feed.sink)  # before the files are read: every later record is queued
         exporter = Exporter(since, with_commands)
@@ -256,7 +257,7 @@ async def export_stream(gw: ExportParts, args: dict[str, Any]) -> AsyncIterator[
         async with contextlib.aclosing(_follow(gw, exporter, feed)) as lines:
             async for line in lines:
                 yield line
-    except Refused as exc:
+    except StreamStopped as exc:
         yield exc.line()
     finally:
         if feed.sink in sinks:

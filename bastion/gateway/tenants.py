@@ -35,6 +35,7 @@ from bastion.core.defaults import (
     MAX_CONNECTIONS_PER_TENANT,
     MAX_RUNS_PER_UID,
 )
+from bastion.core.errors import BastionError
 from bastion.core.subject import Subject, SubjectKind
 from bastion.gateway import procs
 
@@ -71,7 +72,7 @@ class Tenant:
         return f"uid {self.uid}"
 
 
-class RunRefused(ValueError):
+class RunRefused(BastionError, ValueError):
     """A registration that would nest a run, or pass the uid's live runs."""
 
 

@@ -137,7 +137,8 @@ def test_the_proxy_is_standard_library_only() -> None:
 def test_the_cli_client_wire_is_standard_library_only() -> None:
     for target, line in imports(MODULES["bastion.opsock"]):
         top = target.split(".")[0]
-        assert top in sys.stdlib_module_names or top == "__future__", f"opsock.py:{line}: {target}"
+        allowed = top in sys.stdlib_module_names or target in {"__future__", "bastion.core.errors"}
+        assert allowed, f"opsock.py:{line}: {target}"
 
 
 def test_nothing_outside_devtools_imports_devtools() -> None:

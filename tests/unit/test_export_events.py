@@ -239,7 +239,7 @@ def test_a_follower_gives_up_when_the_gateway_stays_away() -> None:
     away = cli.Away("the gateway is not running")
     connect, asked = scripted([HELLO, *records(1, 2)], *([away] * 100))
     got, clock = Lines(), Clock()
-    with pytest.raises(cli.Refused, match=r"within 5s .*resume with --since 2"):
+    with pytest.raises(cli.ExportAborted, match=r"within 5s .*resume with --since 2"):
         cli.from_gateway(connect, got.out, True, 5, got.said.append, clock.sleep, lambda: clock.now)
     assert got.seqs() == [1, 2] and 5 <= clock.now < 8 and max(clock.slept) <= 2.0
     assert set(asked[1:]) == {2}
@@ -251,7 +251,7 @@ def test_without_follow_a_lost_or_refused_stream_is_an_error() -> None:
     with pytest.raises(cli.Away, match="ended the stream"):
         cli.from_gateway(connect, got.out, False, 60, got.said.append)
     connect, _ = scripted([{"ok": False, "error": "refused: inside an agent"}])
-    with pytest.raises(cli.Refused, match="inside an agent"):
+    with pytest.raises(cli.ExportAborted, match="inside an agent"):
         cli.from_gateway(connect, Lines().out, True, 60)
 
 
