@@ -285,7 +285,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j.open()
     for i in range(60):
         j.append(EventType.REQUEST_RECEIVED, {"request_id": f"req_{i}"}, {"command": "x" * 100})
-    j.certify(key)
+    j.vouch(key)
     j.close()
     assert len(journal.segments(tmp_path)) > 3
     v = journal_verify.verify(tmp_path, identity)
@@ -299,7 +299,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     # A later lifetime continues the same chain in the newest segment.
     j2 = journal.Journal(tmp_path, identity, "boot_two")
     assert j2.open()[-1].seq == 62
-    j2.certify(key)
+    j2.vouch(key)
     j2.close()
     assert journal_verify.verify(tmp_path, identity).records == 64
 
