@@ -229,8 +229,8 @@ def test_a_fresh_gateway_that_never_unlocked_is_not_yet_vouched_for(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
     """`bastion init` vouched for the journal's first records; what a gateway that was
-    never unlocked wrote after them is signed by a boot key nobody vouched for: named,
-    and refused by --strict."""
+    never unlocked wrote after them is signed by a boot key nobody vouched for: named
+    (`--json`: `unvouched`), and refused by --strict."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     b.start_daemon()
     b.close()
@@ -238,6 +238,8 @@ def test_a_fresh_gateway_that_never_unlocked_is_not_yet_vouched_for(
     assert r.returncode == 0 and "which the journal identity never vouched for" in r.stdout
     r = cli(b.home.root, "audit", "verify", "--strict")
     assert r.returncode == 1 and "never vouched for (--strict)" in r.stdout, r.stdout
+    doc = json.loads(cli(b.home.root, "audit", "verify", "--json").stdout)
+    assert doc["ok"] and len(doc["unvouched"]) == 1 and "uncertified" not in doc
 
 
 def test_a_new_journal_verifies_and_an_emptied_one_does_not(
