@@ -16,10 +16,12 @@ Each line of a `*.jsonl` segment is one record:
 * `hash = sha256(prev_hash ‖ seq ‖ canonical(seq, boot, type, meta, ct))` --
   the plaintext fields are chained too, so an outcome cannot be relabelled.
 * `sig` signs `hash` with the boot's Ed25519 key, which lives only in the
-  gateway's memory. At every unlock the journal identity key certifies the
-  boot key *together with the current head hash*: one certification covers
-  every record before it, so a chain rebuilt from the public key alone fails
-  at the first certification it cannot reproduce.
+  gateway's memory. At every unlock the journal identity key *vouches* for
+  the boot key *together with the current head hash* (a `vouch` record;
+  older gateways typed it `certify`, and readers accept both): one vouch
+  covers every record before it, so a chain rebuilt from the public key alone
+  fails at the first vouch it cannot reproduce. `vouched` is the one check of
+  a vouch, for `verify` and `unvouched_boots` alike.
 
 A head anchor (`head.json`) and `--expect-head` catch truncation; a torn last
 line (a crash mid-write) is reported by `verify` and, at the next start, moved
@@ -55,7 +57,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from bastion.core.events import EventType
+from bastion.core.errors import BastionError
+from bastion.core.events import EventType, event_type
 
 log = logging.getLogger("bastion")
 
@@ -63,10 +66,9 @@ FORMAT = "bastion-journal-1"
 IDENTITY_LABEL = "bastion-journal"  # the vault key that is the journal identity
 SEGMENT_MAX = 8 * 1024 * 1024
 GENESIS = bytes(32)
-_RAW = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-class JournalError(Exception):
+class JournalError(BastionError):
     """The journal cannot be used as asked; the message says why."""
 
 
@@ -77,8 +79,14 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _unb64(text: str) -> bytes:
+def unb64(text: str) -> bytes:
+    """A binary field of a record or of `identity.json` (strict base64)."""
     return base64.b64decode(text, validate=True)
+
+
+def raw_key(key: Ed25519PublicKey | X25519PublicKey) -> bytes:
+    """A public key as the journal writes it: its 32 raw bytes."""
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def _hkdf(secret: bytes, info: bytes) -> bytes:
@@ -104,10 +112,10 @@ class Identity:
 def write_identity(directory: Path, identity: Ed25519PrivateKey) -> Identity:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     signing = identity.public_key()
-    enc = encryption_key(identity).public_key().public_bytes(*_RAW)
+    enc = raw_key(encryption_key(identity).public_key())
     doc = {
         "format": FORMAT,
-        "signing": _b64(signing.public_bytes(*_RAW)),
+        "signing": _b64(raw_key(signing)),
         "encryption": _b64(enc),
         "sig": _b64(identity.sign(b"bastion-journal-identity-v1" + enc)),
     }
@@ -119,12 +127,12 @@ def write_identity(directory: Path, identity: Ed25519PrivateKey) -> Identity:
 
 def create(directory: Path, identity: Ed25519PrivateKey) -> Identity:
     """A new journal: its identity and its genesis -- a boot and the identity's
-    certification of it, the first two records. Every journal has records from the
+    vouch for it, the first two records. Every journal has records from the
     moment it exists, so one with an identity and none was emptied (`verify`)."""
     public = write_identity(directory, identity)
     genesis = Journal(directory, public, "boot_" + secrets.token_hex(12))
     genesis.open()
-    genesis.certify(identity)
+    genesis.vouch(identity)
     genesis.close()
     return public
 
@@ -134,9 +142,9 @@ def read_identity(directory: Path, expect_signing: bytes | None = None) -> Ident
     path = directory / "identity.json"
     try:
         doc = json.loads(path.read_text())
-        signing_raw, enc = _unb64(doc["signing"]), _unb64(doc["encryption"])
+        signing_raw, enc = unb64(doc["signing"]), unb64(doc["encryption"])
         signing = Ed25519PublicKey.from_public_bytes(signing_raw)
-        signing.verify(_unb64(doc["sig"]), b"bastion-journal-identity-v1" + enc)
+        signing.verify(unb64(doc["sig"]), b"bastion-journal-identity-v1" + enc)
         encryption = X25519PublicKey.from_public_bytes(enc)
     except FileNotFoundError:
         raise JournalError(f"no journal identity at {path}; run `bastion init`") from None
@@ -192,8 +200,35 @@ def _boot_key(shared: bytes, boot: str) -> bytes:
     return _hkdf(shared, b"bastion-journal-record-v1" + boot.encode())
 
 
-def _cert_message(boot: str, boot_key: bytes, head: bytes) -> bytes:
+def _vouch_message(boot: str, boot_key: bytes, head: bytes) -> bytes:
+    """What the identity signs; its tag predates the word "vouch" and is the format's."""
     return b"bastion-journal-cert-v1\0" + boot.encode() + b"\0" + boot_key + head
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """What the journal identity signed in a vouch record: this boot's key, at this head
+    (the chain's hash just before the record), so it covers every record before it."""
+
+    boot: str
+    boot_key: bytes  # raw Ed25519
+    head: bytes
+
+
+def vouched(record: Record, identity: Identity) -> Vouch | None:
+    """The vouch `record` carries: a vouch record (`vouch`, or `certify` as older gateways
+    wrote it) whose signature the journal identity made; None for any other record.
+    `verify` and `unvouched_boots` both ask this, so they cannot disagree on which boots
+    were vouched for (`verify` also checks the vouch's place: its boot's key, its head)."""
+    if event_type(record) is not EventType.VOUCH:
+        return None
+    try:
+        boot_key, head = unb64(record.meta["boot_key"]), bytes.fromhex(record.meta["head"])
+        message = _vouch_message(record.boot, boot_key, head)
+        identity.signing.verify(unb64(record.meta["cert"]), message)
+    except (KeyError, ValueError, TypeError, InvalidSignature):
+        return None
+    return Vouch(record.boot, boot_key, head)
 
 
 def segments(directory: Path) -> list[Path]:
@@ -291,7 +326,7 @@ class Journal:
         self.boot = boot
         self._boot_signing = Ed25519PrivateKey.generate()
         ephemeral = X25519PrivateKey.generate()
-        self._epk = ephemeral.public_key().public_bytes(*_RAW)
+        self._epk = raw_key(ephemeral.public_key())
         self._aead = ChaCha20Poly1305(_boot_key(ephemeral.exchange(identity.encryption), boot))
         self.seq = 0
         self.head = GENESIS
@@ -342,7 +377,7 @@ class Journal:
         self.append(
             EventType.BOOT,
             {
-                "boot_key": _b64(self._boot_signing.public_key().public_bytes(*_RAW)),
+                "boot_key": _b64(raw_key(self._boot_signing.public_key())),
                 "epk": _b64(self._epk),
             },
             {"pid": os.getpid()},
@@ -471,12 +506,13 @@ class Journal:
             os.replace(tmp, self.directory / "head.json")
             self._head_written = seq
 
-    def certify(self, identity: Ed25519PrivateKey) -> Record:
-        """Vouch for this boot's key and, through the chain, for everything so far."""
-        boot_key = self._boot_signing.public_key().public_bytes(*_RAW)
-        cert = identity.sign(_cert_message(self.boot, boot_key, self.head))
+    def vouch(self, identity: Ed25519PrivateKey) -> Record:
+        """The journal identity vouches for this boot's key and, through the chain, for
+        everything so far. (The meta key `cert` is the format's, older than the word.)"""
+        boot_key = raw_key(self._boot_signing.public_key())
+        cert = identity.sign(_vouch_message(self.boot, boot_key, self.head))
         meta = {"boot_key": _b64(boot_key), "head": self.head.hex(), "cert": _b64(cert)}
-        return self.append(EventType.CERTIFY, meta, {})
+        return self.append(EventType.VOUCH, meta, {})
 
     def close(self) -> None:
         if self._fd is not None:
@@ -507,11 +543,11 @@ def decrypt(
     for r in recs:
         if r.type == EventType.BOOT.value:
             with contextlib.suppress(KeyError, ValueError):
-                epk = X25519PublicKey.from_public_bytes(_unb64(r.meta["epk"]))
+                epk = X25519PublicKey.from_public_bytes(unb64(r.meta["epk"]))
                 aeads[r.boot] = ChaCha20Poly1305(_boot_key(enc.exchange(epk), r.boot))
         aead = aeads.get(r.boot)
         event: dict[str, Any] = {}
         if aead is not None:
             with contextlib.suppress(InvalidTag, ValueError):
-                event = json.loads(aead.decrypt(_nonce(r.seq), _unb64(r.ct), r.header))
+                event = json.loads(aead.decrypt(_nonce(r.seq), unb64(r.ct), r.header))
         yield r, event

@@ -1,12 +1,11 @@
 """Checking a journal from its files alone: `verify` (order, chain, signatures,
-certifications, head.json) and `uncertified_boots` (records no certification of the
-journal identity covers). Needs the public identity only -- no passphrase, no
-gateway. The format itself (records, chain, writer) is `journal.py`'s.
+vouches, head.json) and `unvouched_boots` (records no vouch of the journal identity
+covers). Needs the public identity only -- no passphrase, no gateway. The format
+itself (records, chain, writer, what a vouch is: `journal.vouched`) is `journal.py`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,35 +15,32 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from bastion.core.events import EventType
+from bastion.core.events import EventType, event_type
 from bastion.journal import (
-    _RAW,
     GENESIS,
     Identity,
     Line,
     Record,
-    _cert_message,
-    _unb64,
     chain_hash,
+    raw_key,
     read_lines,
+    unb64,
+    vouched,
 )
 
 
-def uncertified_boots(recs: Iterable[Record], identity: Identity) -> dict[str, list[int]]:
-    """Boots with records whose own key no certification by the journal identity
-    covers: boot -> [first seq, last seq, records]. What a new lifetime reports as
+def unvouched_boots(recs: Iterable[Record], identity: Identity) -> dict[str, list[int]]:
+    """Boots with records whose own key no vouch by the journal identity covers:
+    boot -> [first seq, last seq, records]. What a new lifetime reports as
     `foreign_records` at unlock (full checking is `verify`'s job)."""
     spans: dict[str, list[int]] = {}
-    certified: set[str] = set()
+    vouched_for: set[str] = set()
     for r in recs:
         span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
         span[1], span[2] = r.seq, span[2] + 1
-        if r.type == EventType.CERTIFY.value:
-            with contextlib.suppress(KeyError, ValueError, InvalidSignature):
-                key, head = _unb64(r.meta["boot_key"]), bytes.fromhex(r.meta["head"])
-                identity.signing.verify(_unb64(r.meta["cert"]), _cert_message(r.boot, key, head))
-                certified.add(r.boot)
-    return {boot: span for boot, span in spans.items() if boot not in certified}
+        if vouched(r, identity) is not None:
+            vouched_for.add(r.boot)
+    return {boot: span for boot, span in spans.items() if boot not in vouched_for}
 
 
 @dataclass
@@ -53,7 +49,7 @@ class VerifyReport:
     records: int = 0
     problem: str | None = None  # the first bad record, named, and why
     notes: list[str] = field(default_factory=list)
-    uncertified: list[dict[str, Any]] = field(default_factory=list)  # boots never certified
+    unvouched: list[dict[str, Any]] = field(default_factory=list)  # boots never vouched for
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -61,14 +57,14 @@ class VerifyReport:
             "records": self.records,
             "problem": self.problem,
             "notes": self.notes,
-            "uncertified": self.uncertified,
+            "unvouched": self.unvouched,
         }
 
 
 def verify(
     directory: Path, identity: Identity, expect_head: str | None = None, strict: bool = False
 ) -> VerifyReport:
-    """Check every record: order, chain, signatures, certifications, head.
+    """Check every record: order, chain, signatures, vouches, head.
 
     Needs no passphrase and no gateway: only public keys are involved.
     """
@@ -82,8 +78,8 @@ def verify(
 
     boot_keys: dict[str, Ed25519PublicKey] = {}
     spans: dict[str, list[int]] = {}  # boot -> [first seq, last seq, records]
-    certified: set[str] = set()  # boots whose own key the journal identity certified
-    prev, expected, certified_to = GENESIS, 1, 0
+    vouched_for: set[str] = set()  # boots whose own key the journal identity vouched for
+    prev, expected, vouched_to = GENESIS, 1, 0
     found_head = expect_head is None
     last_line: Line | None = None
     lines = list(read_lines(directory))
@@ -120,32 +116,26 @@ def verify(
             if r.boot in boot_keys:
                 return bad(line, f"edited: boot {r.boot} announced a key twice")
             try:
-                boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(_unb64(r.meta["boot_key"]))
+                boot_keys[r.boot] = Ed25519PublicKey.from_public_bytes(unb64(r.meta["boot_key"]))
             except (KeyError, ValueError):
                 return bad(line, "edited: malformed boot record")
         key = boot_keys.get(r.boot)
         if key is None:
             return bad(line, f"unsigned: boot {r.boot} never announced its key")
         try:
-            key.verify(_unb64(r.sig), digest)
+            key.verify(unb64(r.sig), digest)
         except (InvalidSignature, ValueError):
             return bad(line, "bad signature")
-        if r.type == EventType.CERTIFY.value:
-            try:
-                boot_key = _unb64(r.meta["boot_key"])
-                if boot_key != key.public_bytes(*_RAW) or r.meta["head"] != prev.hex():
-                    raise ValueError("certifies another key or head")
-                identity.signing.verify(
-                    _unb64(r.meta["cert"]), _cert_message(r.boot, boot_key, prev)
-                )
-            except (KeyError, ValueError, InvalidSignature):
+        if event_type(r) is EventType.VOUCH:
+            vouch = vouched(r, identity)
+            if vouch is None or vouch.boot_key != raw_key(key) or vouch.head != prev:
                 return bad(
                     line,
-                    "bad signature: the certification does not verify with the "
+                    "bad signature: the vouch does not verify with the "
                     "journal identity (a rebuilt or re-signed chain)",
                 )
-            certified_to = r.seq
-            certified.add(r.boot)
+            vouched_to = r.seq
+            vouched_for.add(r.boot)
         span = spans.setdefault(r.boot, [r.seq, r.seq, 0])
         span[1], span[2] = r.seq, span[2] + 1
         if expect_head is not None and r.hash == expect_head:
@@ -156,18 +146,18 @@ def verify(
         return bad(
             None,
             "emptied: the journal has an identity but no record, and a journal is created with "
-            "its first records (`bastion init` writes a boot and its certification): every "
+            "its first records (`bastion init` writes a boot and its vouch): every "
             "segment was deleted (or the home was made before bastion wrote these first "
             "records and no gateway has run since: start one once)",
         )
     v.notes.extend(torn_writes)
     if strict and torn_writes:
         return bad(last_line, f"torn write: {torn_writes[0]} (--strict)")
-    if certified_to == 0:
+    if vouched_to == 0:
         return bad(
             last_line,
-            "unsigned: no record was ever certified by the journal identity "
-            "(unlock the gateway once to certify its journal)",
+            "unsigned: the journal identity never vouched for any record "
+            "(unlock the gateway once to vouch for its journal)",
         )
     anchor = directory / "head.json"
     if anchor.exists():
@@ -182,31 +172,31 @@ def verify(
             v.notes.append("head.json is unreadable")
     if not found_head:
         return bad(last_line, f"truncated: no record has the expected head hash {expect_head}")
-    # A certification vouches for the boot key that wrote it, never for another's
-    # records: a boot whose key was never certified stays uncertified for good.
-    v.uncertified = [
+    # A vouch covers the boot key that wrote it, never another's records: a boot
+    # whose key was never vouched for stays unvouched for good.
+    v.unvouched = [
         {"boot": boot, "first": a, "last": z, "records": n}
         for boot, (a, z, n) in spans.items()
-        if boot not in certified
+        if boot not in vouched_for
     ]
-    for u in v.uncertified:
+    for u in v.unvouched:
         v.notes.append(
             f"{u['records']} record(s), seq {u['first']}..{u['last']}, are signed by boot key "
-            f"{u['boot']}, which the journal identity never certified: written by a gateway "
+            f"{u['boot']}, which the journal identity never vouched for: written by a gateway "
             "that was never unlocked, or by someone else (`audit verify --witness` tells)"
         )
-    if strict and v.uncertified:
+    if strict and v.unvouched:
         return bad(
             last_line,
-            f"uncertified: seq {v.uncertified[0]['first']}..{v.uncertified[0]['last']} are "
-            f"signed by boot key {v.uncertified[0]['boot']}, never certified (--strict)",
+            f"unvouched: seq {v.unvouched[0]['first']}..{v.unvouched[0]['last']} are "
+            f"signed by boot key {v.unvouched[0]['boot']}, never vouched for (--strict)",
         )
-    uncovered = v.records - certified_to
+    uncovered = v.records - vouched_to
     if uncovered:
         v.notes.append(
-            f"{uncovered} record(s) after seq {certified_to} are signed by their "
-            "boot key but not yet certified (certified at the next unlock)"
+            f"{uncovered} record(s) after seq {vouched_to} are signed by their "
+            "boot key but not yet vouched for (vouched for at the next unlock)"
         )
         if strict:
-            return bad(last_line, "unsigned: uncertified records at the end (--strict)")
+            return bad(last_line, "unsigned: unvouched records at the end (--strict)")
     return v

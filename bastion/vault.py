@@ -1,54 +1,48 @@
 """The encrypted key store: the only place private keys exist at rest.
 
-The file's format and its locked, atomic writes are `vault_file.py`; this is the handle the
-gateway and the CLI hold. The persisted `epoch` rises on every unlock and lock and never goes
-back: approvals are bound to it, so any change of vault state voids them. Besides SSH keys
-the vault seals small secrets (an OpenBao token) and keeps the last certificate serial it
-handed out, so serials never repeat across restarts.
+The file's format and its locked, atomic writes are `vault_file.py`; this is the vault in
+memory, the handle the gateway and the CLI hold: unlocked, it keeps the derived key. The
+persisted `epoch` rises on every unlock and lock and never goes back: approvals are bound
+to it, so any change of vault state voids them. Besides SSH keys the vault seals small
+secrets (an OpenBao token) and keeps the last certificate serial it handed out, so serials
+never repeat across restarts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import asyncssh
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from bastion.vault_file import (
-    _VERIFIER,
     GENERATE,
     IMPORTABLE,
     KDF_FIELDS,
     KDF_PROFILES,
     RESERVED_PREFIX,
+    Kdf,
     KeyFilePassphraseNeeded,
     KeyInfo,
+    Record,
+    Secret,
     VaultError,
+    VaultFile,
     VaultLocked,
     WrongPassphrase,
-    _check_key_type,
-    _check_label,
-    _Doc,
-    _flock,
-    _Kdf,
-    _key_info,
-    _matches,
-    _read,
-    _Record,
-    _record_ad,
-    _rekey,
-    _Secret,
-    _write,
-    _zero,
+    check_key_type,
+    check_label,
     load_private_key_file,
-    log,
     now_stamp,
+    wipe,
+    write_lock,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GENERATE",
@@ -84,13 +78,12 @@ class Vault:
         path = Path(path)
         if not passphrase:
             raise VaultError("the vault passphrase must not be empty")
-        kdf, nonce = _Kdf.default(), os.urandom(12)
+        kdf = Kdf.default()
         key = kdf.derive(passphrase)
-        verifier = ChaCha20Poly1305(key).encrypt(nonce, _VERIFIER, kdf.verifier_ad())
-        with _flock(path):
+        with write_lock(path):
             if path.exists():
                 raise VaultError(f"a vault already exists at {path}; refusing to overwrite it")
-            _write(path, _Doc(1, kdf, nonce, verifier, ()))
+            VaultFile.new(kdf, key).write(path)
         vault = cls(path, 1)
         vault._key = key
         return vault
@@ -98,7 +91,7 @@ class Vault:
     @classmethod
     def open(cls, path: Path) -> Vault:
         path = Path(path)
-        return cls(path, _read(path).epoch)
+        return cls(path, VaultFile.read(path).epoch)
 
     def cached_keys(self) -> int:
         return len(self._cache)
@@ -111,28 +104,28 @@ class Vault:
     def epoch(self) -> int:
         return self._epoch
 
-    def _load(self) -> _Doc:
-        doc = _read(self.path)
+    def _load(self) -> VaultFile:
+        doc = VaultFile.read(self.path)
         with self._mutex:  # never step back, even if the file was rolled back
             self._epoch = max(self._epoch, doc.epoch)
         return doc
 
-    def _bump(self, doc: _Doc) -> int:
+    def _bump(self, doc: VaultFile) -> int:
         """Write epoch+1 (above anything this handle saw) and adopt it."""
         new = max(doc.epoch, self._epoch) + 1
-        _write(self.path, replace(doc, epoch=new))
+        replace(doc, epoch=new).write(self.path)
         self._epoch = new
         return new
 
     def _wipe(self) -> None:
-        _zero(self._key)
+        wipe(self._key)
         self._key = None
         self._cache.clear()
 
-    def _unlocked_key(self, doc: _Doc | None = None) -> bytearray:
+    def _unlocked_key(self, doc: VaultFile | None = None) -> bytearray:
         if self._key is None:
             raise VaultLocked(f"the vault {self.path} is locked; run `bastion unlock` first")
-        if doc is not None and not _matches(self._key, doc):
+        if doc is not None and not doc.matches(self._key):
             raise VaultError(
                 f"the vault {self.path} was re-created or re-keyed by another "
                 "process; unlock it again"
@@ -143,25 +136,25 @@ class Vault:
         """Verify the passphrase, bump the epoch once and, in that same write, upgrade a KDF
         weaker than the profile's. Derivations run outside the mutex and the flock."""
         for _ in range(3):  # again if another process re-keys the vault meanwhile
-            doc, target, new_key = self._load(), _Kdf.default(), None
+            doc, target, new_key = self._load(), Kdf.default(), None
             key = doc.kdf.derive(passphrase)
             try:
-                if not _matches(key, doc):
+                if not doc.matches(key):
                     raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
                 if doc.kdf.weaker_than(target):
                     with contextlib.suppress(VaultError):  # e.g. no memory: upgrade later
                         new_key = target.derive(passphrase)
-                with self._mutex, _flock(self.path):
-                    if (cur := self._load()).kdf != doc.kdf or not _matches(key, cur):
+                with self._mutex, write_lock(self.path):
+                    if (cur := self._load()).kdf != doc.kdf or not cur.matches(key):
                         continue
-                    if new_key and (rekeyed := _rekey(cur, key, target, new_key)):
+                    if new_key and (rekeyed := cur.rekeyed(key, target, new_key)):
                         cur, key, new_key = rekeyed, new_key, key
                     new = self._bump(cur)  # the one write: new epoch (and KDF, if upgraded)
                     self._wipe()
                     self._key, key = key, None
                     return new
             finally:
-                _zero(key, new_key)
+                wipe(key, new_key)
         raise VaultError(f"the vault {self.path} kept changing during unlock; try again")
 
     def lock(self) -> int:
@@ -175,7 +168,7 @@ class Vault:
                 return self._epoch
             self._wipe()
             try:
-                with _flock(self.path):
+                with write_lock(self.path):
                     return self._bump(self._load())
             except VaultError as e:
                 self._epoch += 1
@@ -189,15 +182,15 @@ class Vault:
     def key_info(self, label: str) -> KeyInfo:
         return self._record(self._load(), label).info
 
-    def _record(self, doc: _Doc, label: str) -> _Record:
-        _check_label(label)
+    def _record(self, doc: VaultFile, label: str) -> Record:
+        check_label(label)
         rec = doc.find(label)
         if rec is None:
             raise VaultError(f"no key labelled {label!r} in the vault {self.path}")
         return rec
 
     def generate(self, label: str, algorithm: str = "ssh-ed25519") -> KeyInfo:
-        _check_label(label)
+        check_label(label)
         if algorithm not in GENERATE:
             raise VaultError(
                 f"cannot generate {algorithm!r} keys; choose one of " + ", ".join(GENERATE)
@@ -208,59 +201,55 @@ class Vault:
         return self._store(label, asyncssh.generate_private_key(algorithm, **GENERATE[algorithm]))
 
     def add(self, label: str, private_key: asyncssh.SSHKey) -> KeyInfo:
-        _check_label(label)
-        _check_key_type(private_key)
+        check_label(label)
+        check_key_type(private_key)
         return self._store(label, private_key)
 
     def _store(self, label: str, private_key: asyncssh.SSHKey) -> KeyInfo:
         key = asyncssh.import_private_key(private_key.export_private_key("openssh"))  # a copy
         key.set_comment(f"bastion:{label}")
         public = key.export_public_key("openssh").decode().strip()
-        info = _key_info(label, public, now_stamp())
-        nonce = os.urandom(12)
-        with self._mutex, _flock(self.path):
+        info = KeyInfo.of(label, public, now_stamp())
+        with self._mutex, write_lock(self.path):
             doc = self._load()
-            aead = ChaCha20Poly1305(self._unlocked_key(doc))
+            vault_key = self._unlocked_key(doc)
             if doc.find(label) is not None:
                 raise VaultError(
                     f"a key labelled {label!r} already exists in the vault {self.path}"
                 )
-            sealed = aead.encrypt(nonce, key.export_private_key("openssh"), _record_ad(info))
-            _write(self.path, replace(doc, records=(*doc.records, _Record(info, nonce, sealed))))
+            rec = Record.seal(info, vault_key, key.export_private_key("openssh"))
+            replace(doc, records=(*doc.records, rec)).write(self.path)
         return info
 
     def remove(self, label: str) -> None:
         """Needs the vault unlocked: destroying a key is the passphrase holder's decision."""
-        with self._mutex, _flock(self.path):
+        with self._mutex, write_lock(self.path):
             doc = self._load()
             rec = self._record(doc, label)
             self._unlocked_key(doc)
-            _write(self.path, replace(doc, records=tuple(r for r in doc.records if r is not rec)))
+            replace(doc, records=tuple(r for r in doc.records if r is not rec)).write(self.path)
             self._cache.pop((label, rec.info.public_key), None)
 
     def reserve_serials(self, count: int) -> range:
         """`count` certificate serials no earlier or later reservation gets: the file
         keeps the last one handed out, so a restart, a crash or a second gateway on
         the same vault never repeats one (a crash only skips the unused rest)."""
-        with self._mutex, _flock(self.path):
+        with self._mutex, write_lock(self.path):
             doc = self._load()
             self._unlocked_key(doc)
             if doc.serial + count >= 2**64:
                 raise VaultError(f"the vault {self.path} has no certificate serials left")
-            _write(self.path, replace(doc, serial=doc.serial + count))
+            replace(doc, serial=doc.serial + count).write(self.path)
         return range(doc.serial + 1, doc.serial + count + 1)
 
     def put_secret(self, label: str, secret: bytes) -> None:
         """Seal a secret under `label`, replacing one of the same label."""
-        _check_label(label)
-        with self._mutex, _flock(self.path):
+        check_label(label)
+        with self._mutex, write_lock(self.path):
             doc = self._load()
-            aead = ChaCha20Poly1305(self._unlocked_key(doc))
-            nonce, created = os.urandom(12), now_stamp()
-            sec = _Secret(label, created, nonce, b"")
-            sec = replace(sec, ciphertext=aead.encrypt(nonce, bytes(secret), sec.ad()))
+            sec = Secret.seal(label, self._unlocked_key(doc), bytes(secret))
             kept = tuple(s for s in doc.secrets if s.label != label)
-            _write(self.path, replace(doc, secrets=(*kept, sec)))
+            replace(doc, secrets=(*kept, sec)).write(self.path)
 
     def secret(self, label: str) -> bytes:
         """A sealed secret's bytes; VaultError naming the label if there is none."""
@@ -271,7 +260,7 @@ class Vault:
             if sec is None:
                 raise VaultError(f"no secret labelled {label!r} in the vault {self.path}")
             try:
-                return ChaCha20Poly1305(key).decrypt(sec.nonce, sec.ciphertext, sec.ad())
+                return sec.open(key)
             except InvalidTag:
                 raise VaultError(f"secret {label!r} in the vault {self.path}: tampered") from None
 
@@ -297,11 +286,10 @@ class Vault:
             self._cache[(label, rec.info.public_key)] = key
             return key
 
-    def _open_record(self, key: bytearray, rec: _Record) -> asyncssh.SSHKey:
+    def _open_record(self, key: bytearray, rec: Record) -> asyncssh.SSHKey:
         """Decrypt one record and check it against its public line (InvalidTag if
         the AEAD fails)."""
-        plain = ChaCha20Poly1305(key).decrypt(rec.nonce, rec.ciphertext, _record_ad(rec.info))
-        private = asyncssh.import_private_key(plain)
+        private = asyncssh.import_private_key(rec.open(key))
         if private.export_public_key("openssh").decode().strip() != rec.info.public_key:
             raise VaultError(
                 f"key {rec.info.label!r} in the vault {self.path}: record tampered "
@@ -316,10 +304,10 @@ class Vault:
         rec = self._record(doc, label)
         key = doc.kdf.derive(passphrase)
         try:
-            if not _matches(key, doc):
+            if not doc.matches(key):
                 raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
             return self._open_record(key, rec)
         except InvalidTag:
             raise VaultError(f"key {label!r} in the vault {self.path}: record tampered") from None
         finally:
-            _zero(key)
+            wipe(key)

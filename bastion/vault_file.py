@@ -5,7 +5,12 @@ key is its own ChaCha20-Poly1305 record whose associated data binds the format t
 public metadata, so a record cannot be moved to another label or paired with another public
 key. Public metadata stays plaintext so `key list` / `key public` work while locked. The
 daemon and an offline CLI may both write, so every write takes a flock on `<vault>.lock`
-and re-reads the file first. `vault.py` is the one class that uses it.
+and re-reads the file first.
+
+This module is the format: `VaultFile` (the parsed, validated contents, read and written
+whole), its sealed `Record`s and `Secret`s, the `Kdf`, and `write_lock`. `vault.py` is the
+vault in memory -- the handle that holds the derived key while unlocked -- and uses only
+this public API, so the format's insides (the verifier, the associated data, base64) stay here.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
+from bastion.core.errors import BastionError
+
 log = logging.getLogger(__name__)
 
 FORMAT = "bastion-vault-1"
@@ -53,7 +60,7 @@ _PUBLIC = ("label", "algorithm", "public_key", "created_at")  # a record's plain
 RESERVED_PREFIX = "bastion-"  # labels bastion keeps for itself (the journal identity)
 
 
-class VaultError(Exception):
+class VaultError(BastionError):
     """A vault failure a person can act on; never carries secret bytes."""
 
 
@@ -74,16 +81,36 @@ class KeyInfo:
     fingerprint: str
     created_at: str
 
+    @classmethod
+    def of(cls, label: str, public_key: str, created_at: str) -> KeyInfo:
+        """The metadata of `public_key` (an OpenSSH public line) under `label`."""
+        pub = asyncssh.import_public_key(public_key)
+        return cls(
+            label, pub.get_algorithm(), public_key, pub.get_fingerprint("sha256"), created_at
+        )
+
 
 @dataclass(frozen=True)
-class _Record:
+class Record:
+    """One private key, sealed under the vault key; its associated data binds the format
+    tag, the label and the public metadata, so it cannot move to another label or key."""
+
     info: KeyInfo
     nonce: bytes
     ciphertext: bytes
 
+    @classmethod
+    def seal(cls, info: KeyInfo, key: bytearray, private: bytes) -> Record:
+        nonce = os.urandom(12)
+        return cls(info, nonce, ChaCha20Poly1305(key).encrypt(nonce, private, _record_ad(info)))
+
+    def open(self, key: bytearray) -> bytes:
+        """The private key's bytes (InvalidTag if the AEAD fails)."""
+        return ChaCha20Poly1305(key).decrypt(self.nonce, self.ciphertext, _record_ad(self.info))
+
 
 @dataclass(frozen=True)
-class _Secret:
+class Secret:
     """A small secret the gateway needs (an OpenBao token), sealed like a key."""
 
     label: str
@@ -91,22 +118,31 @@ class _Secret:
     nonce: bytes
     ciphertext: bytes
 
-    def ad(self) -> bytes:
+    @classmethod
+    def seal(cls, label: str, key: bytearray, plain: bytes) -> Secret:
+        sec = cls(label, now_stamp(), os.urandom(12), b"")
+        return replace(sec, ciphertext=ChaCha20Poly1305(key).encrypt(sec.nonce, plain, sec._ad()))
+
+    def open(self, key: bytearray) -> bytes:
+        """The secret's bytes (InvalidTag if the AEAD fails)."""
+        return ChaCha20Poly1305(key).decrypt(self.nonce, self.ciphertext, self._ad())
+
+    def _ad(self) -> bytes:
         return json.dumps([FORMAT, "secret", self.label, self.created_at]).encode()
 
 
 @dataclass(frozen=True)
-class _Kdf:
+class Kdf:
     name: str  # a key of KDF_FIELDS; scrypt is only ever read
     params: tuple[int, ...]  # in KDF_FIELDS order: scrypt (n, r, p), argon2id (t, m KiB, p)
     salt: bytes
 
     @staticmethod
-    def default() -> _Kdf:  # a fresh salt, and the strong profile unless asked for "test"
+    def default() -> Kdf:  # a fresh salt, and the strong profile unless asked for "test"
         test = os.environ.get("BASTION_KDF_PROFILE") == "test"
-        return _Kdf("argon2id", KDF_PROFILES["test" if test else "strong"], os.urandom(16))
+        return Kdf("argon2id", KDF_PROFILES["test" if test else "strong"], os.urandom(16))
 
-    def weaker_than(self, other: _Kdf) -> bool:  # another KDF, fewer passes or less memory
+    def weaker_than(self, other: Kdf) -> bool:  # another KDF, fewer passes or less memory
         return self.name != other.name or any(map(int.__lt__, self.params[:2], other.params))
 
     def verifier_ad(self) -> bytes:
@@ -128,20 +164,111 @@ class _Kdf:
 
 
 @dataclass(frozen=True)
-class _Doc:
+class VaultFile:
+    """The vault file's contents, parsed and validated whole: `read` never returns a
+    half-formed vault, and `write` replaces the file atomically."""
+
     epoch: int
-    kdf: _Kdf
+    kdf: Kdf
     verifier_nonce: bytes
     verifier: bytes
-    records: tuple[_Record, ...]
+    records: tuple[Record, ...]
     serial: int = 0  # the last certificate serial handed out (or reserved): never reused
-    secrets: tuple[_Secret, ...] = ()
+    secrets: tuple[Secret, ...] = ()
 
-    def find(self, label: str) -> _Record | None:
+    @classmethod
+    def new(cls, kdf: Kdf, key: bytearray) -> VaultFile:
+        """An empty vault at epoch 1 whose verifier `key` (derived under `kdf`) opens."""
+        nonce = os.urandom(12)
+        return cls(
+            1, kdf, nonce, ChaCha20Poly1305(key).encrypt(nonce, _VERIFIER, kdf.verifier_ad()), ()
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> VaultFile:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise VaultError(f"no vault at {path}; run `bastion init` to create one") from None
+        except OSError as e:
+            raise VaultError(f"cannot read vault {path}: {e.strerror}") from None
+        return _parse(path, raw)
+
+    def write(self, path: Path) -> None:
+        """Atomic replace: a crash leaves either the old or the new vault, never a torn one."""
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(_serialize(self))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            raise VaultError(f"cannot write vault {path}: {e.strerror}") from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def find(self, label: str) -> Record | None:
         return next((rec for rec in self.records if rec.info.label == label), None)
 
+    def matches(self, key: bytearray) -> bool:
+        """Is `key` this file's vault key (does it open the verifier)?"""
+        ad = self.kdf.verifier_ad()
+        try:
+            return (
+                ChaCha20Poly1305(key).decrypt(self.verifier_nonce, self.verifier, ad) == _VERIFIER
+            )
+        except InvalidTag:
+            return False
 
-def _check_label(label: str) -> None:
+    def rekeyed(self, old: bytearray, kdf: Kdf, new: bytearray) -> VaultFile | None:
+        """This file under `kdf` and its key `new`: a new verifier, each record re-sealed
+        with its own associated data and a fresh nonce; None if a record fails
+        authentication (left as is)."""
+        new_aead, records = ChaCha20Poly1305(new), []
+        for rec in self.records:
+            try:
+                plain = rec.open(old)
+            except InvalidTag:
+                log.warning(
+                    "vault KDF not upgraded: record %r fails authentication", rec.info.label
+                )
+                return None
+            records.append(Record.seal(rec.info, new, plain))
+        secrets = []
+        for sec in self.secrets:
+            try:
+                plain = sec.open(old)
+            except InvalidTag:
+                log.warning("vault KDF not upgraded: secret %r fails authentication", sec.label)
+                return None
+            nonce = os.urandom(12)
+            secrets.append(
+                replace(sec, nonce=nonce, ciphertext=new_aead.encrypt(nonce, plain, sec._ad()))
+            )
+        nonce = os.urandom(12)
+        verifier = new_aead.encrypt(nonce, _VERIFIER, kdf.verifier_ad())
+        return replace(
+            self,
+            kdf=kdf,
+            verifier_nonce=nonce,
+            verifier=verifier,
+            records=tuple(records),
+            secrets=tuple(secrets),
+        )
+
+
+def check_label(label: str) -> None:
     if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
         raise VaultError(
             f"invalid key label {label!r}: use 1-64 characters from A-Z a-z 0-9 . _ -"
@@ -149,7 +276,7 @@ def _check_label(label: str) -> None:
         )
 
 
-def _check_key_type(key: asyncssh.SSHKey) -> str:
+def check_key_type(key: asyncssh.SSHKey) -> str:
     """Refuse key types the dispatcher cannot use safely (DSA, security-key handles, weak RSA)."""
     alg = key.get_algorithm()
     if alg not in IMPORTABLE:
@@ -159,13 +286,6 @@ def _check_key_type(key: asyncssh.SSHKey) -> str:
         if bits < MIN_RSA_BITS:
             raise VaultError(f"RSA key of {bits} bits is too weak: at least {MIN_RSA_BITS} needed")
     return alg
-
-
-def _key_info(label: str, public_key: str, created_at: str) -> KeyInfo:
-    pub = asyncssh.import_public_key(public_key)
-    return KeyInfo(
-        label, pub.get_algorithm(), public_key, pub.get_fingerprint("sha256"), created_at
-    )
 
 
 def now_stamp() -> str:
@@ -179,52 +299,10 @@ def _record_ad(info: KeyInfo) -> bytes:
     ).encode()
 
 
-def _zero(*keys: bytearray | None) -> None:
+def wipe(*keys: bytearray | None) -> None:
+    """Zero derived keys in place (the one copy Python lets us wipe)."""
     for key in filter(None, keys):
         key[:] = bytes(len(key))
-
-
-def _matches(key: bytearray, doc: _Doc) -> bool:
-    ad = doc.kdf.verifier_ad()
-    try:
-        return ChaCha20Poly1305(key).decrypt(doc.verifier_nonce, doc.verifier, ad) == _VERIFIER
-    except InvalidTag:
-        return False
-
-
-def _rekey(doc: _Doc, old: bytearray, kdf: _Kdf, new: bytearray) -> _Doc | None:
-    """`doc` under `kdf` and its key `new`: a new verifier, each record re-sealed with its own
-    associated data and a fresh nonce; None if a record fails authentication (left as is)."""
-    old_aead, new_aead, records = ChaCha20Poly1305(old), ChaCha20Poly1305(new), []
-    for rec in doc.records:
-        nonce, ad = os.urandom(12), _record_ad(rec.info)
-        try:
-            plain = old_aead.decrypt(rec.nonce, rec.ciphertext, ad)
-        except InvalidTag:
-            log.warning("vault KDF not upgraded: record %r fails authentication", rec.info.label)
-            return None
-        records.append(_Record(rec.info, nonce, new_aead.encrypt(nonce, plain, ad)))
-    secrets = []
-    for sec in doc.secrets:
-        try:
-            plain = old_aead.decrypt(sec.nonce, sec.ciphertext, sec.ad())
-        except InvalidTag:
-            log.warning("vault KDF not upgraded: secret %r fails authentication", sec.label)
-            return None
-        nonce = os.urandom(12)
-        secrets.append(
-            replace(sec, nonce=nonce, ciphertext=new_aead.encrypt(nonce, plain, sec.ad()))
-        )
-    nonce = os.urandom(12)
-    verifier = new_aead.encrypt(nonce, _VERIFIER, kdf.verifier_ad())
-    return replace(
-        doc,
-        kdf=kdf,
-        verifier_nonce=nonce,
-        verifier=verifier,
-        records=tuple(records),
-        secrets=tuple(secrets),
-    )
 
 
 def _b64(data: bytes) -> str:
@@ -235,14 +313,14 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text, validate=True)
 
 
-def _parse(path: Path, raw: bytes) -> _Doc:
+def _parse(path: Path, raw: bytes) -> VaultFile:
     """Validate everything up front, so later code never meets a half-formed vault."""
     try:
         obj = json.loads(raw)
         if obj.get("format") != FORMAT:
             raise ValueError("unknown format")
         kdf, ver, epoch = obj["kdf"], obj["verifier"], obj["epoch"]
-        kdf = _Kdf(kdf["name"], tuple(kdf[f] for f in KDF_FIELDS[kdf["name"]]), _unb64(kdf["salt"]))
+        kdf = Kdf(kdf["name"], tuple(kdf[f] for f in KDF_FIELDS[kdf["name"]]), _unb64(kdf["salt"]))
         if any(type(v) is not int for v in (epoch, *kdf.params)) or epoch < 0:
             raise ValueError("bad header")
         a, b, p = kdf.params  # bounds first: a hostile file must not hang us or eat memory
@@ -254,22 +332,22 @@ def _parse(path: Path, raw: bytes) -> _Doc:
         for item in obj["keys"]:
             if not all(isinstance(item[f], str) for f in (*_PUBLIC, "nonce", "ciphertext")):
                 raise ValueError("bad record")
-            _check_label(item["label"])
-            info = _key_info(item["label"], item["public_key"], item["created_at"])
+            check_label(item["label"])
+            info = KeyInfo.of(item["label"], item["public_key"], item["created_at"])
             if info.algorithm != item["algorithm"] or info.algorithm not in IMPORTABLE:
                 raise ValueError("algorithm mismatch")
-            rec = _Record(info, _unb64(item["nonce"]), _unb64(item["ciphertext"]))
+            rec = Record(info, _unb64(item["nonce"]), _unb64(item["ciphertext"]))
             if len(rec.nonce) != 12 or any(o.info.label == info.label for o in records):
                 raise ValueError("bad record")
             records.append(rec)
-        secrets: list[_Secret] = []
+        secrets: list[Secret] = []
         for item in obj.get("secrets", []):
             if not all(
                 isinstance(item[f], str) for f in ("label", "created_at", "nonce", "ciphertext")
             ):
                 raise ValueError("bad secret")
-            _check_label(item["label"])
-            sec = _Secret(
+            check_label(item["label"])
+            sec = Secret(
                 item["label"], item["created_at"], _unb64(item["nonce"]), _unb64(item["ciphertext"])
             )
             if len(sec.nonce) != 12 or any(o.label == sec.label for o in secrets):
@@ -278,7 +356,7 @@ def _parse(path: Path, raw: bytes) -> _Doc:
         serial = obj.get("cert_serial", 0)
         if type(serial) is not int or not 0 <= serial < 2**64:
             raise ValueError("bad certificate serial")
-        doc = _Doc(
+        doc = VaultFile(
             epoch,
             kdf,
             _unb64(ver["nonce"]),
@@ -298,7 +376,7 @@ def _parse(path: Path, raw: bytes) -> _Doc:
         ) from None
 
 
-def _serialize(doc: _Doc) -> bytes:
+def _serialize(doc: VaultFile) -> bytes:
     keys = [
         {f: getattr(rec.info, f) for f in _PUBLIC}
         | {"nonce": _b64(rec.nonce), "ciphertext": _b64(rec.ciphertext)}
@@ -322,43 +400,10 @@ def _serialize(doc: _Doc) -> bytes:
     return json.dumps(obj, indent=2).encode() + b"\n"
 
 
-def _read(path: Path) -> _Doc:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise VaultError(f"no vault at {path}; run `bastion init` to create one") from None
-    except OSError as e:
-        raise VaultError(f"cannot read vault {path}: {e.strerror}") from None
-    return _parse(path, raw)
-
-
-def _write(path: Path, doc: _Doc) -> None:
-    """Atomic replace: a crash leaves either the old or the new vault, never a torn one."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(_serialize(doc))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        raise VaultError(f"cannot write vault {path}: {e.strerror}") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def write_lock(path: Path) -> Iterator[None]:
+    """The flock on `<vault>.lock` every read-modify-write holds: the daemon and an
+    offline CLI may both write, and each re-reads the file under it."""
     try:
         fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
@@ -392,5 +437,5 @@ def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSH
         head = msg.split(":")[0].strip()
         reason = head if re.fullmatch(r"[A-Za-z0-9#, ]{1,60}", head) else "malformed key data"
         raise VaultError(f"not a private key: {reason}") from None
-    _check_key_type(key)
+    check_key_type(key)
     return key

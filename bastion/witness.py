@@ -227,7 +227,7 @@ class Witness:
         due = kind in TERMINAL if every is None else self._since_head >= every
         # The intent's head always goes, and the exec waits for it (`intent`): once a
         # command may have reached its target, no one here can make it unsaid.
-        if kind in (EventType.CERTIFY, EventType.DISPATCH_STARTED) or due:
+        if kind in (EventType.VOUCH, EventType.DISPATCH_STARTED) or due:
             self._since_head = 0
             head = {
                 "journal": self.journal,

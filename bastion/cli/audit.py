@@ -52,8 +52,8 @@ audit.add_command(export)
 @click.option(
     "--strict",
     is_flag=True,
-    help="Fail on records not yet certified, and on records signed by a boot key the "
-    "journal identity never certified.",
+    help="Fail on records not yet vouched for, and on records signed by a boot key the "
+    "journal identity never vouched for.",
 )
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -65,7 +65,7 @@ def audit_verify(
     strict: bool,
     as_json: bool,
 ) -> None:
-    """Check order, chain, signatures and certifications, and with --witness the
+    """Check order, chain, signatures and vouches, and with --witness the
     heads a witness saw. Needs neither the passphrase nor the gateway. Exit 0
     intact, 1 with the first bad record or the first witnessed head missing."""
     from bastion import journal, journal_verify, ops

@@ -63,7 +63,8 @@ class EventType(enum.Enum):
     # the journal itself
     BOOT = "boot"  # a gateway lifetime begins; meta: its boot key
     TORN_TAIL = "torn_tail"  # a crash cut the last line short; it was set aside
-    CERTIFY = "certify"  # the journal identity vouches for a boot key and a head
+    # the journal identity vouches for a boot key and a head (`certify` before: see _missing_)
+    VOUCH = "vouch"
     GATEWAY_STOPPED = "gateway_stopped"
     FOREIGN_RECORDS = "foreign_records"  # boots whose key was never certified: reported once
     # the gateway's state
@@ -92,6 +93,12 @@ class EventType(enum.Enum):
     # operator actions on requests
     OPERATOR_KILL = "operator_kill"
     OPERATOR_TERMINATE = "operator_terminate"
+
+    @classmethod
+    def _missing_(cls, value: object) -> EventType | None:
+        """Older gateways wrote VOUCH as `certify` (before the word went to SSH certificates
+        only): their journals read the same."""
+        return cls.VOUCH if value == "certify" else None
 
     @classmethod
     def of(cls, outcome: Outcome) -> EventType:

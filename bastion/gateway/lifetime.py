@@ -215,7 +215,7 @@ class Gateway:
             return
         try:
             self.recorder.flush()  # the sinks hear of every earlier record first
-            record = self.journal.certify(self.vault.private_key(IDENTITY_LABEL).pyca_key)
+            record = self.journal.vouch(self.vault.private_key(IDENTITY_LABEL).pyca_key)
             self.recorder.note(record, {})
         except (VaultError, OSError, JournalError) as exc:
             log.error("could not certify this lifetime's journal: %s", exc)

@@ -23,7 +23,7 @@ from bastion.core.gate import Answer, EndReason, Request, SessionGrant
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
-from bastion.journal_verify import uncertified_boots
+from bastion.journal_verify import unvouched_boots
 
 log = logging.getLogger("bastion")
 
@@ -278,7 +278,7 @@ class ForeignRecords:
         self.reported: list[dict[str, Any]] = []  # what this lifetime reported
 
     def found(self, records: list[Record], identity: Identity) -> None:
-        spans = uncertified_boots(records, identity)
+        spans = unvouched_boots(records, identity)
         # Boots an earlier notice already named -- counted only from notices under a
         # certified boot, or a forger could silence the report with a notice of its own.
         told = {

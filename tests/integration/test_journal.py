@@ -145,7 +145,7 @@ def test_truncation_is_caught_by_the_head_anchor(busy: Path, tmp_path: Path) -> 
 
 def test_a_chain_rebuilt_with_the_public_key_fails(busy: Path, tmp_path: Path) -> None:
     """Everything an attacker can do with the files: new boot key, events
-    re-encrypted to the public key, hashes recomputed, certifications copied."""
+    re-encrypted to the public key, hashes recomputed, vouches copied."""
     home = tmp_path / "home"
     shutil.copytree(busy, home, ignore=shutil.ignore_patterns("*.sock"))
     jdir = home / "journal"
@@ -165,7 +165,7 @@ def test_a_chain_rebuilt_with_the_public_key_fails(busy: Path, tmp_path: Path) -
         forger.append(EventType(r.type), meta, {"forged": True})
     forger.close()
     r = verify(home)
-    assert r.returncode == 1 and "certification" in r.stdout, r.stdout
+    assert r.returncode == 1 and "the vouch does not verify" in r.stdout, r.stdout
     # And a forged identity.json is caught against the vault's record of it.
     journal.write_identity(jdir, Ed25519PrivateKey.generate())
     r = verify(home)
@@ -225,26 +225,28 @@ def test_views_need_the_passphrase_when_no_gateway_runs(busy: Path) -> None:
     assert r.returncode == 1 and "passphrase" in r.stderr
 
 
-def test_a_fresh_gateway_that_never_unlocked_is_not_yet_certified(
+def test_a_fresh_gateway_that_never_unlocked_is_not_yet_vouched_for(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
-    """`bastion init` certified the journal's first records; what a gateway that was
-    never unlocked wrote after them is signed by a boot key nobody certified: named,
-    and refused by --strict."""
+    """`bastion init` vouched for the journal's first records; what a gateway that was
+    never unlocked wrote after them is signed by a boot key nobody vouched for: named
+    (`--json`: `unvouched`), and refused by --strict."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     b.start_daemon()
     b.close()
     r = verify(b.home.root)
-    assert r.returncode == 0 and "which the journal identity never certified" in r.stdout
+    assert r.returncode == 0 and "which the journal identity never vouched for" in r.stdout
     r = cli(b.home.root, "audit", "verify", "--strict")
-    assert r.returncode == 1 and "never certified (--strict)" in r.stdout, r.stdout
+    assert r.returncode == 1 and "never vouched for (--strict)" in r.stdout, r.stdout
+    doc = json.loads(cli(b.home.root, "audit", "verify", "--json").stdout)
+    assert doc["ok"] and len(doc["unvouched"]) == 1 and "uncertified" not in doc
 
 
 def test_a_new_journal_verifies_and_an_emptied_one_does_not(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
     """Every journal starts with records (`bastion init` writes a boot and its
-    certification), so deleting every segment and head.json is not "intact (0
+    vouch), so deleting every segment and head.json is not "intact (0
     records)" -- with --strict or without."""
     b = make_bastion(tmp_path, sshd, client_key[0], start=False)
     r = cli(b.home.root, "audit", "verify", "--strict", "--json")
@@ -285,7 +287,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     j.open()
     for i in range(60):
         j.append(EventType.REQUEST_RECEIVED, {"request_id": f"req_{i}"}, {"command": "x" * 100})
-    j.certify(key)
+    j.vouch(key)
     j.close()
     assert len(journal.segments(tmp_path)) > 3
     v = journal_verify.verify(tmp_path, identity)
@@ -299,7 +301,7 @@ def test_segments_rotate_by_size_and_verify_across_them(
     # A later lifetime continues the same chain in the newest segment.
     j2 = journal.Journal(tmp_path, identity, "boot_two")
     assert j2.open()[-1].seq == 62
-    j2.certify(key)
+    j2.vouch(key)
     j2.close()
     assert journal_verify.verify(tmp_path, identity).records == 64
 

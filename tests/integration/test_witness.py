@@ -1,7 +1,7 @@
 """The witness off the box: real gateways witnessing to a real rsyslogd (over TCP and
 its unix socket) and to a witness file, and `bastion audit verify --witness`
 catching what a same-uid attacker does to the journal once the gateway is gone:
-laundering (truncate to the last certification, forge a boot and a harmless
+laundering (truncate to the last vouch, forge a boot and a harmless
 request), truncation, rollback to an older copy, a re-chained journal -- with
 head.json deleted or rewritten. Also: the per-request syslog stream is the
 `audit activity` view, a collector outage costs nothing, and a bad bastion.toml
@@ -139,9 +139,9 @@ def test_an_intact_journal_holds_every_witnessed_head(busy: dict[str, Path]) -> 
         assert f"the last at seq {end}" in r.stdout
     r = cli(busy["home"], "audit", "verify", "--json", "--witness", str(busy["rsyslog"]))
     w = json.loads(r.stdout)["witness"]
-    assert w["ok"] and w["last"] == end and w["heads"] >= 8  # 2 lifetimes x (3 requests + 2 certs)
+    assert w["ok"] and w["last"] == end and w["heads"] >= 8  # 2 lifetimes x (3 requests, 2 vouches)
     types = [h["type"] for h in read_entries([busy["file"]], HEAD)]
-    assert types.count("certify") >= 4  # each lifetime: at unlock and at stop
+    assert types.count("vouch") >= 4  # each lifetime: at unlock and at stop
     assert types.count("completed") == 7  # one head per request, 7 requests in all
 
 
@@ -229,10 +229,10 @@ def test_a_witness_without_heads_is_not_proof(busy: dict[str, Path], tmp_path: P
 
 def launder(jdir: Path) -> str:
     """The reviewer's attack, with the files and the public identity only: cut the
-    journal back to its last certification, forge a boot and a harmless request.
+    journal back to its last vouch, forge a boot and a harmless request.
     Returns the forged boot's id."""
     recs = list(journal.records(jdir))
-    cert = max(r.seq for r in recs if r.type == "certify")
+    cert = max(r.seq for r in recs if r.type == "vouch")
     for seg in journal.segments(jdir):
         kept = [x for x in seg.read_bytes().split(b"\n")[:-1] if json.loads(x)["seq"] <= cert]
         seg.write_bytes(b"".join(x + b"\n" for x in kept))
@@ -270,7 +270,7 @@ def test_laundering_after_a_kill_is_caught(
     finally:
         b.close()
     jdir = b.home.journal
-    cert = max(r.seq for r in journal.records(jdir) if r.type == "certify")
+    cert = max(r.seq for r in journal.records(jdir) if r.type == "vouch")
     forged = launder(jdir)
     forged_seqs = [r.seq for r in journal.records(jdir) if r.boot == forged]
     witnessed_after = min(s for s in head_seqs(rsyslog.output) if s > cert)
@@ -299,7 +299,7 @@ def test_laundering_after_a_kill_is_caught(
         assert len(notices) == 1 and notices[0].meta["boots"] == [forged]
         r = cli(b.home.root, "audit", "verify", "--strict")
         assert r.returncode == 1
-        assert f"signed by boot key {forged}, never certified (--strict)" in r.stdout, r.stdout
+        assert f"signed by boot key {forged}, never vouched for (--strict)" in r.stdout, r.stdout
         r = cli(b.home.root, "audit", "verify")  # without --strict: named, not fatal
         assert r.returncode == 0 and forged in r.stdout, r.stdout
         # A new prompt sees it in the hello, not only as a notice when it happened.
@@ -371,7 +371,7 @@ def test_a_command_that_reached_its_target_cannot_be_cut_from_the_journal(
     back to before it (the last head the witness heard, before issue 18), rewrite
     head.json, empty the spool, restart and unlock. The witness confirmed the intent's
     head before the exec left, so `audit verify --strict --witness` names it. Before,
-    heads went out only at endings and certifications, and verify said intact."""
+    heads went out only at endings and vouches, and verify said intact."""
     b, _, ours = killed_mid_command(tmp_path, sshd, client_key[0], rsyslog)
     intent = next(r.seq for r in ours if r.type == "dispatch_started")
     rsyslog.wait_for(lambda _: intent in head_seqs(rsyslog.output))

@@ -74,7 +74,7 @@ class World:
 def world(tmp_path: Path) -> World:
     w = World(tmp_path)
     w.request("req_1")
-    w.j.certify(w.secret)
+    w.j.vouch(w.secret)
     return w
 
 

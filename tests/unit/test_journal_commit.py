@@ -70,7 +70,7 @@ def test_a_sync_from_another_thread_while_the_writer_appends_and_rotates(
     finally:
         stop.set()
         t.join(10)
-    j.certify(SECRET)
+    j.vouch(SECRET)
     j.close()
     assert synced == sorted(synced)  # durability only moves forward
     assert len(journal.segments(j.directory)) > 5

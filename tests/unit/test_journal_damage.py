@@ -36,7 +36,7 @@ def test_a_new_journal_has_its_genesis_and_an_emptied_one_fails(tmp_path: Path) 
     directory, ident = new(tmp_path)
     report = journal_verify.verify(directory, ident, strict=True)
     assert report.ok and report.records == 2, report.problem
-    assert [r.type for r in journal.records(directory)] == ["boot", "certify"]
+    assert [r.type for r in journal.records(directory)] == ["boot", "vouch"]
     for seg in journal.segments(directory):
         seg.unlink()
     (directory / "head.json").unlink()
@@ -63,7 +63,7 @@ def test_a_write_the_disk_refuses_in_part_is_cut_off_again(
     assert seg.stat().st_size == size  # nothing of it is left
     monkeypatch.setattr(os, "write", real_write)
     j.append(EventType.REQUEST_RECEIVED, {"request_id": "req_next"}, {})
-    j.certify(SECRET)
+    j.vouch(SECRET)
     j.close()
     report = journal_verify.verify(directory, ident, strict=True)
     assert report.ok and not report.notes, (report.problem, report.notes)
@@ -89,7 +89,7 @@ def test_until_a_failed_write_is_cut_off_nothing_more_is_written(
         j.append(EventType.DENIED, {"request_id": "req_b"}, {})  # refused, not appended
     monkeypatch.setattr(os, "ftruncate", real_truncate)
     j.append(EventType.DENIED, {"request_id": "req_c"}, {})  # cut off first, then written
-    j.certify(SECRET)
+    j.vouch(SECRET)
     j.close()
     assert journal_verify.verify(directory, ident, strict=True).ok
     assert "req_b" not in {r.meta.get("request_id") for r in journal.records(directory)}
@@ -118,7 +118,7 @@ def test_a_torn_write_inside_a_segment_is_not_an_edit(tmp_path: Path) -> None:
     j = opened(directory)
     for i in range(3):
         j.append(EventType.REQUEST_RECEIVED, {"request_id": f"req_{i}"}, {})
-    j.certify(SECRET)
+    j.vouch(SECRET)
     j.close()
     seg = journal.segments(directory)[-1]
     lines = seg.read_bytes().split(b"\n")[:-1]

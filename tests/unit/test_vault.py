@@ -155,7 +155,7 @@ def test_the_strong_profile_is_the_default_and_meets_the_measured_floor(
         monkeypatch.delenv("BASTION_KDF_PROFILE", raising=False)
     else:
         monkeypatch.setenv("BASTION_KDF_PROFILE", value)
-    kdf = vault_mod._Kdf.default()
+    kdf = vault_file.Kdf.default()
     assert kdf.name == "argon2id" and kdf.params == vault_mod.KDF_PROFILES["strong"]
     t, m, p = kdf.params
     assert t >= 2 and m >= 512 * 1024 and p <= 2
@@ -311,7 +311,7 @@ def test_unlock_derives_outside_the_mutex_and_retries_when_re_keyed_meanwhile(
 ) -> None:
     keys = _old_scrypt_vault(path)
     h, other = Vault.open(path), Vault.open(path)
-    derive = vault_mod._Kdf.derive
+    derive = vault_file.Kdf.derive
     free: list[bool] = []  # per derivation: could another thread take h's mutex meanwhile?
 
     def probe() -> None:
@@ -327,7 +327,7 @@ def test_unlock_derives_outside_the_mutex_and_retries_when_re_keyed_meanwhile(
             assert other.unlock(PW) == 5  # another process upgrades the file meanwhile
         return derive(kdf, passphrase)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(vault_mod._Kdf, "derive", spying)
+    monkeypatch.setattr(vault_file.Kdf, "derive", spying)
     assert h.unlock(PW) == 6  # derived again for the new KDF, and bumped once
     assert len(free) == 5 and all(free)
     assert _doc(path)["kdf"]["name"] == "argon2id" and _doc(path)["epoch"] == 6

@@ -66,8 +66,8 @@ class Journaled:
         self.add(EventType.DISPATCH_STARTED, {"request_id": rid, "session_id": "s1"})
         self.add(EventType.COMPLETED, {"request_id": rid, "exit_status": exit_status})
 
-    def certify(self) -> None:
-        self.sink(self.journal.certify(self.key), {})
+    def vouch(self) -> None:
+        self.sink(self.journal.vouch(self.key), {})
 
 
 # -- the spool -------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_heads_reach_the_file_once_across_restarts_and_outages(tmp_path: Path) -
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
     j.request("req_1")
-    j.certify()
+    j.vouch()
     wait_until(lambda: w.health()["targets"]["file"]["failing"])
     h = w.health()
     assert h["waiting"] == 3 and h["oldest_age"] is not None  # the intent's head too
@@ -161,7 +161,7 @@ def test_heads_reach_the_file_once_across_restarts_and_outages(tmp_path: Path) -
     heads = heads_in(target)
     records = {r.seq: r for r in journal.records(tmp_path / "journal")}
     intent, done = "dispatch_started", "completed"
-    assert [h["type"] for h in heads] == [intent, done, "certify", intent, done]
+    assert [h["type"] for h in heads] == [intent, done, "vouch", intent, done]
     assert all(h["hash"] == records[h["seq"]].hash for h in heads)
     assert all(h["sig"] == records[h["seq"]].sig and h["journal"] == "jid" for h in heads)
 
@@ -176,22 +176,22 @@ def test_a_witness_directory_gets_one_file_that_verify_reads_back(tmp_path: Path
     j.sink = w.sink
     w.start()
     j.request("req_1")
-    j.certify()
+    j.vouch()
     wait_until(lambda: w.health()["waiting"] == 0)
     w.close()
     assert [p.name for p in offbox.iterdir()] == [courier.WITNESS_FILE]
     heads = witness_check.read_entries([offbox])  # `audit verify --witness DIR`
-    assert [h["type"] for h in heads] == ["dispatch_started", "completed", "certify"]
+    assert [h["type"] for h in heads] == ["dispatch_started", "completed", "vouch"]
     assert witness_check.check(tmp_path / "journal", j.identity, heads).ok
 
 
-def test_every_n_records_and_every_certification(tmp_path: Path) -> None:
+def test_every_n_records_and_every_vouch(tmp_path: Path) -> None:
     w = witness.Witness(WitnessConfig(file=tmp_path / "w.log", every=4), tmp_path / "s", "j")
     j = Journaled(tmp_path / "journal", w.sink)
     w.start()
     for i in range(3):
         j.request(f"req_{i}")  # 9 records after the boot
-    j.certify()
+    j.vouch()
     wait_until(lambda: w.health()["waiting"] == 0)
     w.close()
     # Every intent (seq 3, 6, 9) is a head whatever `every` says, and counts as one.
@@ -415,7 +415,7 @@ def chain(tmp_path: Path) -> tuple[Path, journal.Identity, list[journal.Record]]
     j.open()
     for i in range(8):
         j.append(EventType.REQUEST_RECEIVED, {"request_id": f"r{i}"}, {})
-    j.certify(key)
+    j.vouch(key)
     j.close()
     return tmp_path, identity, list(journal.records(tmp_path))
 
