@@ -5,7 +5,8 @@ itself. The kernel tells us the peer of the agent socket (SO_PEERCRED, pinned
 with a pidfd where SO_PEERPIDFD exists); /proc tells us its ancestors. The
 *subject* -- the process a person approves -- is the first ancestor above the
 `ssh` client that is not a shell or a wrapper (docs/architecture.md, "Who is
-asking").
+asking"). This module observes; `core/subject.subject_index` decides where
+the subject stands, from what it observed of each process.
 
 Everything read here can race with the processes it describes, so every
 ancestor's start time is read again after the walk: a pid that was reused

@@ -92,6 +92,8 @@ class Request:
 
     @property
     def command_sha256(self) -> str:
+        """What this request does, as a card shows it and a grant is bound to it
+        (`Binding.what`)."""
         return hashlib.sha256(self.command).hexdigest()
 
 

@@ -3,7 +3,9 @@
 Authority is bound to one live process, never to anything a client says
 about itself. These records are what `identity.py` reads from the kernel and
 /proc; everything that grants or checks authority (the gate, the approval
-book, the journal) sees only these immutable values.
+book, the journal) sees only these immutable values. Which process in the
+chain is the subject is decided here too (`subject_index`), over what the
+resolver observed of each one.
 
 Paths and command lines come from the kernel as bytes, and Linux allows any
 byte but NUL in them. Python holds a byte that is not UTF-8 as a lone

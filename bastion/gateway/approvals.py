@@ -21,7 +21,7 @@ from bastion.core.cards import Card
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
 from bastion.core.gate import Answer, CardKind, CommandGrant, EndReason, SessionGrant
-from bastion.core.subject import Subject
+from bastion.core.subject import Subject, SubjectKey
 
 
 class CardError(BastionError):
@@ -68,7 +68,7 @@ class ApprovalBook:
     on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
     on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
     _cards: dict[str, _Open] = field(default_factory=dict)
-    _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
+    _sessions: dict[tuple[SubjectKey, str, str], _Live] = field(default_factory=dict)
     _ended: dict[str, EndReason] = field(default_factory=dict)
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)  # card id -> grant
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
