@@ -5,7 +5,8 @@ itself. The kernel tells us the peer of the agent socket (SO_PEERCRED, pinned
 with a pidfd where SO_PEERPIDFD exists); /proc tells us its ancestors. The
 *subject* -- the process a person approves -- is the first ancestor above the
 `ssh` client that is not a shell or a wrapper (docs/architecture.md, "Who is
-asking").
+asking"). This module observes; `core/subject.subject_index` decides where
+the subject stands, from what it observed of each process.
 
 Everything read here can race with the processes it describes, so every
 ancestor's start time is read again after the walk: a pid that was reused
@@ -30,7 +31,16 @@ from pathlib import Path
 
 import psutil
 
-from bastion.core.subject import Peer, ProcessInfo, Subject, SubjectKind
+from bastion.core.errors import BastionError
+from bastion.core.subject import (
+    NoSubject,
+    Observed,
+    Peer,
+    ProcessInfo,
+    Subject,
+    SubjectKind,
+    subject_index,
+)
 from bastion.images import ExeHasher, Images, stat_fields
 
 DEFAULT_WRAPPERS = frozenset(
@@ -70,7 +80,7 @@ def name_matcher(names: Iterable[str]) -> re.Pattern[str]:
     return re.compile("|".join(parts) or r"(?!)")
 
 
-class IdentityError(Exception):
+class IdentityError(BastionError):
     """The peer could not be identified; the request must not proceed."""
 
 
@@ -176,23 +186,23 @@ class Resolver:
             or (bool(info.exe) and self._hosts.match(_exe_name(info)) is not None)
         )
 
+    def observe(self, info: ProcessInfo) -> Observed:
+        """What the subject walk needs to know of one process in the chain."""
+        name = _exe_name(info)
+        return Observed(
+            name=name,
+            ssh=name == "ssh",
+            wrapper=self._is_wrapper(info),
+            session_host=self._is_session_host(info),
+        )
+
     def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:
-        """Where the subject stands in the chain: above `ssh`, past shells and
-        wrappers, but never inside a session host (tmux, sshd, a terminal, init):
-        there the shell just below it is the subject."""
-        start = next((i + 1 for i, p in enumerate(chain) if p.exe and _exe_name(p) == "ssh"), 0)
-        for i in range(start, len(chain)):
-            if self._is_session_host(chain[i]):
-                if i == start:
-                    raise IdentityError(
-                        f"ssh was started directly by {_exe_name(chain[i]) or 'pid 1'}, a "
-                        "session host: there is no agent process to approve; run ssh from "
-                        "the agent (or a shell) instead"
-                    )
-                return i - 1, SubjectKind.SESSION_SHELL
-            if not self._is_wrapper(chain[i]):
-                return i, SubjectKind.PROCESS
-        raise IdentityError("no process above the ssh client could be identified")
+        """Where the subject stands in the chain (`core.subject.subject_index`
+        decides, over what this resolver observes), or refuse."""
+        found = subject_index([self.observe(p) for p in chain])
+        if isinstance(found, NoSubject):
+            raise IdentityError(found.reason)
+        return found
 
     def nonce_for(self, pid: int, start_time: float) -> str:
         key = (pid, start_time)

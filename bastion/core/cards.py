@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bastion.core.binding import Binding
 from bastion.core.command import Construct
 from bastion.core.display import escape_command_marked
 from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Request
@@ -28,13 +29,8 @@ class Card:
     request_id: str
     reason: EndReason | None  # why an earlier approval of a matching subject ended
     host: str
-    address: str
-    port: int
-    user: str
-    credential: str
-    host_key_fingerprint: str
+    binding: Binding  # what a "yes" is bound to; a command card's grant holds it unchanged
     command: str | None  # exact command, non-printable bytes escaped (command cards)
-    command_sha256: str | None
     argv: tuple[str, ...] | None  # command cards: the argv every POSIX shell runs, if it has one
     shell_syntax: tuple[Construct, ...]  # command cards: the constructs of shell source
     command_marks: tuple[tuple[int, int], ...]  # where in `command` each construct is shown
@@ -49,19 +45,20 @@ class Card:
     session_id: str | None = None  # command cards: the session they extend
 
     def as_json(self) -> dict[str, object]:
+        b = self.binding
         return {
             "id": self.id,
             "kind": self.kind.value,
             "request_id": self.request_id,
             "reason": self.reason.value if self.reason else None,
             "host": self.host,
-            "address": self.address,
-            "port": self.port,
-            "user": self.user,
-            "credential": self.credential,
-            "host_key_fingerprint": self.host_key_fingerprint,
+            "address": b.address,
+            "port": b.port,
+            "user": b.user,
+            "credential": b.credential,
+            "host_key_fingerprint": b.host_key_fingerprint,
             "command": self.command,
-            "command_sha256": self.command_sha256,
+            "command_sha256": b.what,
             "argv": list(self.argv) if self.argv is not None else None,
             "shell_syntax": [c.as_json() for c in self.shell_syntax],
             "command_marks": [list(m) for m in self.command_marks],
@@ -98,13 +95,8 @@ def make_card(
         request_id=req.request_id,
         reason=verdict.reason if isinstance(verdict, AskSession) else None,
         host=host.alias,
-        address=host.address,
-        port=host.port,
-        user=account.user,
-        credential=account.credential,
-        host_key_fingerprint=host.fingerprint,
+        binding=Binding.of(host, account, req.command_sha256 if is_command else None),
         command=shown if is_command else None,
-        command_sha256=req.command_sha256 if is_command else None,
         argv=reading.argv if reading is not None else None,
         shell_syntax=constructs,
         command_marks=tuple(marks) if is_command else (),

@@ -18,6 +18,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
+from bastion.core.binding import Binding
 from bastion.core.certs import Auth
 from bastion.core.contract import NOT_SENT, Code, EndReason, Failure
 from bastion.core.defaults import MAX_COMMAND_BYTES
@@ -70,16 +71,12 @@ class SessionGrant:
 
 @dataclass(frozen=True)
 class CommandGrant:
-    """A person allowed one exact command, once, under one session grant."""
+    """A person allowed one exact command, once, under one session grant: the
+    binding is the one the card showed (`core/binding`)."""
 
     id: str
     session_id: str
-    address: str
-    port: int
-    host_key_fingerprint: str
-    user: str
-    credential: str
-    command_sha256: str
+    binding: Binding
     expires_at: float
     used: bool = False
 
@@ -95,6 +92,8 @@ class Request:
 
     @property
     def command_sha256(self) -> str:
+        """What this request does, as a card shows it and a grant is bound to it
+        (`Binding.what`)."""
         return hashlib.sha256(self.command).hexdigest()
 
 
@@ -201,12 +200,7 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.address == host.address
-        and grant.port == host.port
-        and grant.host_key_fingerprint == host.fingerprint
-        and grant.user == account.user
-        and grant.credential == account.credential
-        and grant.command_sha256 == req.command_sha256
+        and grant.binding == Binding.of(host, account, req.command_sha256)
     )
 
 

@@ -3,7 +3,9 @@
 Authority is bound to one live process, never to anything a client says
 about itself. These records are what `identity.py` reads from the kernel and
 /proc; everything that grants or checks authority (the gate, the approval
-book, the journal) sees only these immutable values.
+book, the journal) sees only these immutable values. Which process in the
+chain is the subject is decided here too (`subject_index`), over what the
+resolver observed of each one.
 
 Paths and command lines come from the kernel as bytes, and Linux allows any
 byte but NUL in them. Python holds a byte that is not UTF-8 as a lone
@@ -17,12 +19,36 @@ from __future__ import annotations
 
 import base64
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-# (pid, start time, launch nonce, exec image, exe sha256): one exec of one process.
-SubjectKey = tuple[int, float, str, str, str]
-# (pid, start time, launch nonce): one process instance, whatever it runs now.
-ProcessKey = tuple[int, float, str]
+
+@dataclass(frozen=True)
+class ProcessKey:
+    """One process instance in one gateway lifetime, whatever it runs now: the
+    nonce tells two sightings of one (pid, start time) in two lifetimes apart."""
+
+    pid: int
+    start_time: float
+    nonce: str
+
+
+@dataclass(frozen=True)
+class SubjectKey:
+    """One exec of one process instance: what approvals bind to. `exe` is the
+    executable's sha256, or its path where it could not be read."""
+
+    pid: int
+    start_time: float
+    nonce: str
+    image: str  # the gateway's name for the exec (images.Images)
+    exe: str
+
+    @property
+    def process(self) -> ProcessKey:
+        """The process instance this exec is in: what outlives an exec, and what a
+        grant of an earlier exec is found by (to end it, `process_changed`)."""
+        return ProcessKey(self.pid, self.start_time, self.nonce)
 
 
 def as_bytes(text: str) -> bytes:
@@ -124,14 +150,16 @@ class Subject:
     @property
     def process_key(self) -> ProcessKey:
         """This process instance, whatever it runs now (watching, cards)."""
-        return (self.pid, self.start_time, self.nonce)
+        return ProcessKey(self.pid, self.start_time, self.nonce)
 
     @property
     def key(self) -> SubjectKey:
         """What approvals bind to: the process instance, the exec it is in, and
         what that exec runs. exec() keeps the pid and start time -- and, for the
         same interpreter, the executable -- it must not keep the approval."""
-        return (self.pid, self.start_time, self.nonce, self.image, self.exe_sha256 or self.exe)
+        return SubjectKey(
+            self.pid, self.start_time, self.nonce, self.image, self.exe_sha256 or self.exe
+        )
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -157,3 +185,43 @@ class Peer:
     gid: int
     chain: tuple[ProcessInfo, ...]  # peer first, subject last
     subject: Subject
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the resolver saw of one process in the chain, all `subject_index` needs.
+    Whether a program is a wrapper or a session host is judged by the executable
+    the kernel resolved (configured lists, registered fronts, /proc), so the
+    resolver judges it; where the subject stands, given that, is decided here."""
+
+    name: str  # basename of the executable the kernel resolved ("" when unreadable)
+    ssh: bool  # the ssh client
+    wrapper: bool  # a shell or wrapper that acts for its parent
+    session_host: bool  # hosts terminal sessions (tmux, sshd, a terminal, init)
+
+
+@dataclass(frozen=True)
+class NoSubject:
+    """No process in the chain may be approved; `reason` tells the agent why."""
+
+    reason: str
+
+
+def subject_index(chain: Sequence[Observed]) -> tuple[int, SubjectKind] | NoSubject:
+    """Where the subject stands in the chain (peer first): above `ssh`, past shells
+    and wrappers, but never inside a session host (tmux, sshd, a terminal, init):
+    there the shell just below it is the subject. Approving a session host would
+    approve every session inside it."""
+    start = next((i + 1 for i, p in enumerate(chain) if p.ssh), 0)
+    for i in range(start, len(chain)):
+        if chain[i].session_host:
+            if i == start:
+                return NoSubject(
+                    f"ssh was started directly by {chain[i].name or 'pid 1'}, a "
+                    "session host: there is no agent process to approve; run ssh from "
+                    "the agent (or a shell) instead"
+                )
+            return i - 1, SubjectKind.SESSION_SHELL
+        if not chain[i].wrapper:
+            return i, SubjectKind.PROCESS
+    return NoSubject("no process above the ssh client could be identified")

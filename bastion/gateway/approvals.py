@@ -19,11 +19,12 @@ from dataclasses import dataclass, field, replace
 
 from bastion.core.cards import Card
 from bastion.core.defaults import COMMAND_TTL
+from bastion.core.errors import BastionError
 from bastion.core.gate import Answer, CardKind, CommandGrant, EndReason, SessionGrant
-from bastion.core.subject import Subject
+from bastion.core.subject import Subject, SubjectKey
 
 
-class CardError(Exception):
+class CardError(BastionError):
     """An operator answer that cannot be applied (unknown, stale, or void card)."""
 
 
@@ -67,7 +68,7 @@ class ApprovalBook:
     on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
     on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
     _cards: dict[str, _Open] = field(default_factory=dict)
-    _sessions: dict[tuple[object, ...], _Live] = field(default_factory=dict)
+    _sessions: dict[tuple[SubjectKey, str, str], _Live] = field(default_factory=dict)
     _ended: dict[str, EndReason] = field(default_factory=dict)
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)  # card id -> grant
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -144,20 +145,21 @@ class ApprovalBook:
     # -- session grants ----------------------------------------------------------
 
     def _grant_session(self, card: Card) -> SessionGrant:
+        user = card.binding.user
         grant = SessionGrant(
             id="ses_" + secrets.token_hex(6),
             subject_key=card.subject.key,
             host=card.host,
-            user=card.user,
+            user=user,
             boot_id=card.boot_id,
             vault_epoch=card.vault_epoch,
             entry_digest=card.entry_digest,
             approved_at=self.clock(),
         )
-        self._sessions[(card.subject.key, card.host.lower(), card.user)] = _Live(
+        self._sessions[(card.subject.key, card.host.lower(), user)] = _Live(
             grant, card.subject, card.conversation
         )
-        self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, card.user), None)
+        self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, user), None)
         if self.on_session is not None:
             self.on_session(grant, card.subject, None)
         return grant
@@ -176,7 +178,7 @@ class ApprovalBook:
         stale = [
             old
             for old in self._sessions.values()
-            if old.grant.subject_key[:3] == subject.process_key
+            if old.grant.subject_key.process == subject.process_key
             and old.grant.subject_key != subject.key
         ]
         if stale:
@@ -231,7 +233,7 @@ class ApprovalBook:
     # -- command grants ----------------------------------------------------------
 
     def _grant_command(self, card: Card) -> CommandGrant:
-        assert card.session_id is not None and card.command_sha256 is not None
+        assert card.session_id is not None and card.binding.what is not None
         now = self.clock()
         # Expired grants of requests that never came back for them; a used one stays
         # until its request ends (`discard_command_grant`), so the gate sees it used.
@@ -239,12 +241,7 @@ class ApprovalBook:
         grant = CommandGrant(
             id="cmd_" + secrets.token_hex(6),
             session_id=card.session_id,
-            address=card.address,
-            port=card.port,
-            host_key_fingerprint=card.host_key_fingerprint,
-            user=card.user,
-            credential=card.credential,
-            command_sha256=card.command_sha256,
+            binding=card.binding,
             expires_at=now + self.command_ttl,
         )
         self._command_grants[card.id] = grant

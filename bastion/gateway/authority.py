@@ -64,7 +64,7 @@ class Authority:
     def subject_exited(self, subject: Subject) -> None:
         """End its grants and withdraw its cards: a new process is a new subject."""
         ended = self.book.end_sessions(
-            lambda g: g.subject_key[:3] == subject.process_key, EndReason.PROCESS_CHANGED
+            lambda g: g.subject_key.process == subject.process_key, EndReason.PROCESS_CHANGED
         )
         gone = self.book.withdraw(
             lambda c: c.subject.process_key == subject.process_key, Answer.WITHDRAWN_GONE

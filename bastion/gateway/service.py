@@ -324,7 +324,7 @@ class Service:
             )
             answer = await self._ask(conn, card)
             if answer is not Answer.APPROVED:
-                target = f"{card.user}@{card.host}"
+                target = f"{card.binding.user}@{card.host}"
                 return unanswered(
                     card.kind, answer, target, req.request_id, reason, self.approval_timeout
                 )
@@ -342,7 +342,7 @@ class Service:
             card.request_id,
             card.kind.value,
             card.id,
-            card.user,
+            card.binding.user,
             card.host,
             card.subject.pid,
             f", reason {card.reason.value}" if card.reason else "",

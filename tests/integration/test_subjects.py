@@ -5,6 +5,7 @@ process sets itself, and never a session host such as tmux -- nor dvtm or a vim
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -126,6 +127,29 @@ def test_an_agent_in_a_tmux_pane_is_its_own_subject_and_the_operator_approves_fr
     bastion.answer(other, False)
     wait_for(lambda: Path(f"{second}.rc").exists(), timeout=30)
     assert Path(f"{second}.rc").read_text() == "77\n"
+
+
+def test_ssh_run_by_tmux_itself_is_refused_with_the_reason_and_no_card(
+    bastion: Bastion, tmux: Tmux, tmp_path: Path
+) -> None:
+    """The walk's refusal, decided in core/subject, reaches the agent as before."""
+    out = tmp_path / "out"
+    tmux.tmux("new-window", "-d", f"exec ssh -F {bastion.config} web1 'echo never' > {out} 2>&1")
+
+    def refused() -> bool:
+        return out.exists() and "Nothing was sent" in out.read_text()
+
+    wait_for(refused, timeout=30)  # ssh, exec'd by tmux's shell, told why
+    error = json.loads(out.read_text().splitlines()[0])["error"]
+    assert error == {
+        "code": "INTERNAL",
+        "message": "The bastion gateway refused the connection: ssh was started directly "
+        "by tmux, a session host: there is no agent process to approve; run ssh from the "
+        "agent (or a shell) instead. Nothing was sent to the target.",
+        "request_id": None,
+        "retryable": False,
+    }
+    assert bastion.op("pending") == []
 
 
 class Screen:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from bastion.core.binding import Binding
 from bastion.core.contract import Code
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
@@ -31,6 +32,7 @@ from bastion.core.policy import (
     host_key_fingerprint,
     parse_policy_text,
 )
+from bastion.core.subject import SubjectKey
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKwqVd3vMikqXGyJKL6mRiDHH8Ym3yLu2zkTPeUe2xx0"
 POLICY_TEXT = f"""
@@ -53,7 +55,7 @@ preapproved = ["uptime"]
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
-SUBJECT = (100, 1.5, "nonce", "exe-sha256")
+SUBJECT = SubjectKey(100, 1.5, "nonce", "image", "exe-sha256")
 BOOT, EPOCH, NOW = "boot_a", 7, 1000.0
 
 
@@ -70,19 +72,19 @@ def grant(user: str = "deploy", **changes: object) -> SessionGrant:
 
 
 def command_grant(command: bytes, **changes: object) -> CommandGrant:
+    """A grant for `command` as ops on web1; `changes` to the grant or its binding."""
     host = HOSTS["web1"]
-    g = CommandGrant(
-        "cmd_1",
-        "ses_1",
+    binding = Binding(
         host.address,
         host.port,
         host_key_fingerprint(host.host_key),
         "ops",
         "ops-key",
         hashlib.sha256(command).hexdigest(),
-        NOW + 60,
     )
-    return replace(g, **changes)  # type: ignore[arg-type]
+    own = {k: changes.pop(k) for k in ("session_id", "expires_at", "used") if k in changes}
+    g = CommandGrant("cmd_1", "ses_1", replace(binding, **changes), NOW + 60)  # type: ignore[arg-type]
+    return replace(g, **own)  # type: ignore[arg-type]
 
 
 def world(**changes: object) -> World:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.core.subject import ExecWatch, ProcessInfo, SubjectKind
+from bastion.core.subject import ExecWatch, Observed, ProcessInfo, SubjectKind
 from bastion.identity import DEFAULT_SESSION_HOSTS, IdentityError, Resolver, name_matcher
 
 
@@ -56,6 +56,19 @@ def test_ssh_started_by_a_session_host_has_no_subject(host: ProcessInfo) -> None
 def test_the_lists_are_configurable() -> None:
     resolver = Resolver(wrappers=frozenset({"node"}), session_hosts=frozenset({"bash"}))
     assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
+
+
+def test_the_resolver_observes_and_core_decides() -> None:
+    """What `Resolver.observe` says of each process is all `core.subject.subject_index`
+    is given: judged by the executable the kernel resolved, never the process name."""
+    r = Resolver()
+    assert r.observe(SSH) == Observed(name="ssh", ssh=True, wrapper=False, session_host=False)
+    assert r.observe(BASH) == Observed(name="bash", ssh=False, wrapper=True, session_host=False)
+    assert r.observe(TMUX) == Observed(name="tmux", ssh=False, wrapper=False, session_host=True)
+    assert r.observe(proc(1, "")).session_host  # pid 1, whatever its executable
+    renamed = proc(700, "/usr/bin/python3", name="ssh")
+    assert r.observe(renamed) == Observed("python3", ssh=False, wrapper=False, session_host=False)
+    assert r.observe(proc(700, "", name="bash")) == Observed("", False, False, False)
 
 
 class Images:

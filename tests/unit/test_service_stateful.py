@@ -199,7 +199,7 @@ class GatewayMachine(RuleBasedStateMachine):
             spent_now = [
                 g
                 for g in life.book._command_grants.values()
-                if g.used and g.command_sha256 == digest and g.id not in self.spent
+                if g.used and g.binding.what == digest and g.id not in self.spent
             ]
             if len(spent_now) != 1:
                 self.violated(f"{rid}: sent without exactly one command grant spent for it")
