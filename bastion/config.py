@@ -10,7 +10,7 @@ run without a witness the operator asked for. A missing file means defaults
                              # a directory (heads go to DIR/bastion-witness.jsonl)
     syslog = "tcp://127.0.0.1:514"                   # or "unix:/dev/log"-style path
     every = "request"        # emit the head after each record that ends a request,
-                             # or an integer N: every N records (certifications always)
+                             # or an integer N: every N records (vouches always)
     buffer_max = 100000      # witness entries kept on disk while a witness is down
     when_full = "continue"   # or "refuse": refuse new work (INTERNAL) past buffer_max
 

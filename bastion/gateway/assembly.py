@@ -53,13 +53,13 @@ def build_service(
     on_sessions_changed: Callable[[], None] = lambda: None,
     certifier: Certifier | None = None,
     witnessed: Callable[[int], Awaitable[str | None]] | None = None,
-    certify: Callable[[], None] = lambda: None,
+    vouch: Callable[[], None] = lambda: None,
     unlocked: Callable[[], None] = lambda: None,
 ) -> Assembly:
     """The service over these parts, and the authority over the same book.
 
     The service's parts are `Service`'s own (its docstring says what each is);
-    `certify` and `unlocked` are the authority's: have the journal vouch for what
+    `vouch` and `unlocked` are the authority's: have the journal vouch for what
     was written (at unlock and before a lock), and what the lifetime does once
     the vault is unlocked."""
     service = Service(
@@ -90,7 +90,7 @@ def build_service(
         alive=alive,
         in_flight=lambda: list(service.inflight),
         kill=service.kill,
-        certify=certify,
+        vouch=vouch,
         unlocked=unlocked,
     )
     return Assembly(service, authority)

@@ -45,7 +45,7 @@ class Authority:
         alive: Callable[[int, float], bool],
         in_flight: Callable[[], list[str]],
         kill: Callable[[str], Awaitable[None]],
-        certify: Callable[[], None] = lambda: None,
+        vouch: Callable[[], None] = lambda: None,
         unlocked: Callable[[], None] = lambda: None,
     ) -> None:
         self.vault = vault
@@ -56,7 +56,7 @@ class Authority:
         self.alive = alive
         self.in_flight = in_flight  # the ids of the commands in flight, now
         self.kill = kill  # signal one, then stop waiting for it (`Service.kill`)
-        self.certify = certify
+        self.vouch = vouch
         self.unlocked = unlocked  # what the lifetime does once the identity is at hand
         self._unlocking = asyncio.Lock()
         self._failures = 0  # wrong passphrases in a row
@@ -109,13 +109,13 @@ class Authority:
                 raise
             self._failures = 0
         self._vault_changed(locked=False)
-        self.certify()
+        self.vouch()
         self.unlocked()
 
     async def lock(self, terminate: bool) -> list[str]:
         """Lock at once: every approval ends, every card is withdrawn, nothing is
         kept to run later. With `terminate`, also end every command in flight."""
-        self.certify()
+        self.vouch()
         self.vault.lock()
         self._vault_changed(locked=True)
         ended: list[str] = []

@@ -171,7 +171,7 @@ class Control:
             },
             # How far behind the witness is (None: bastion.toml asks for none).
             "witness": gw.witness.health() if gw.witness is not None else None,
-            # Records no certification of this identity covers, found at the last unlock.
+            # Records no vouch of this identity covers, found at the last unlock.
             "foreign_records": gw.foreign.reported,
             "guarantees": await asyncio.to_thread(
                 status_guarantees, gw.home, gw.isolation(), os.getpid()

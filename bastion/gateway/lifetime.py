@@ -10,7 +10,7 @@ too), the agent listener (`agent_ssh.py`) and the operator socket
 `GatewayView` of their own: one object, two narrow views. It owns what
 touches the operating system around them: pidfds that say when an approved
 process exits, `lifetime.json` for the next lifetime's cards, journal
-certification, the two sockets, and the witness bastion.toml asks for
+the journal's vouch, the two sockets, and the witness bastion.toml asks for
 (`witness.py`; a bad bastion.toml stops the start).
 """
 
@@ -123,7 +123,7 @@ class Gateway:
         self.recorder = Recorder(IndexedJournal(self.journal, self.requests))
         self.recorder.on_received.append(self.requests.received)
         self.tenants = Tenants()  # who each agent-socket share counts: runs, else uids
-        # Told of every record once it is on disk (certifications included); sends the
+        # Told of every record once it is on disk (vouches included); sends the
         # heads and the requests' summaries off the box without blocking anything.
         self.witness: Witness | None = None
         if self.config.witness.enabled:
@@ -157,7 +157,7 @@ class Gateway:
             on_sessions_changed=self._save_lifetime,
             certifier=Certifier(self.issuer, self.recorder),
             witnessed=self.witness.intent if self.witness is not None else None,
-            certify=self.certify,
+            vouch=self.vouch,
             unlocked=self._unlocked,
         )
         self.service = assembly.service
@@ -208,7 +208,7 @@ class Gateway:
             raise VaultError(f"{label!r} is reserved for bastion and cannot be a credential")
         return self.vault.private_key(label)
 
-    def certify(self) -> None:
+    def vouch(self) -> None:
         """Have the journal identity vouch for everything written so far. Only
         possible while unlocked: at unlock, before a lock, before stopping."""
         if self.vault.locked:
@@ -218,7 +218,7 @@ class Gateway:
             record = self.journal.vouch(self.vault.private_key(IDENTITY_LABEL).pyca_key)
             self.recorder.note(record, {})
         except (VaultError, OSError, JournalError) as exc:
-            log.error("could not certify this lifetime's journal: %s", exc)
+            log.error("could not vouch for this lifetime's journal: %s", exc)
 
     def listeners_health(self) -> dict[str, Any]:
         """The agent and operator sockets' health, for `bastion status`."""
@@ -369,7 +369,7 @@ class Gateway:
             op_server.close()
             self.dispatcher.close_all()
             self.recorder.record(EventType.GATEWAY_STOPPED, {})
-            self.certify()
+            self.vouch()
             self.vault.lock()
             self.recorder.flush()
             self.journal.close()

@@ -132,7 +132,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Everything written so far durable now, and told to the sinks (before a
-        certification, at a stop)."""
+        vouch, at a stop)."""
         self.journal.sync()
         self._durable(None)
 
@@ -145,7 +145,7 @@ class Recorder:
 
     def note(self, record: Any, event: dict[str, Any]) -> None:
         """A record is on disk (written here, or by the journal itself: boot,
-        certify): tell every sink. A sink's failure never costs the journal or
+        vouch): tell every sink. A sink's failure never costs the journal or
         the dispatch that asked for the record."""
         for sink in self.sinks:
             try:
@@ -267,7 +267,7 @@ class PolicyWatch:
 
 
 class ForeignRecords:
-    """Records under boot keys the journal identity never certified: a gateway that
+    """Records under boot keys the journal identity never vouched for: a gateway that
     was never unlocked wrote them, or someone else did (a forged tail after a crash).
     Found when the journal opens, journaled once as `foreign_records` at the next
     unlock, told to watching operators, and kept for `status` for this lifetime."""
@@ -280,7 +280,7 @@ class ForeignRecords:
     def found(self, records: list[Record], identity: Identity) -> None:
         spans = unvouched_boots(records, identity)
         # Boots an earlier notice already named -- counted only from notices under a
-        # certified boot, or a forger could silence the report with a notice of its own.
+        # vouched-for boot, or a forger could silence the report with a notice of its own.
         told = {
             boot
             for r in records
@@ -290,7 +290,7 @@ class ForeignRecords:
         self._pending = {b: span for b, span in spans.items() if b not in told}
 
     def report(self) -> None:
-        """At unlock, once the identity can certify the notice itself."""
+        """At unlock, once the identity can vouch for the notice itself."""
         if not self._pending:
             return
         spans = [
