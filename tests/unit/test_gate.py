@@ -8,13 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from bastion.core.contract import Code
+from bastion.core.contract import Code, Refusal
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
     AskCommand,
     AskSession,
     CommandGrant,
-    Deny,
     Dispatch,
     EndReason,
     Request,
@@ -161,9 +160,9 @@ def test_state_space(locked: bool, policy_ok: bool, session: str, command: str) 
     verdict = evaluate(req, w)
     kind, reason = SESSIONS[session]
     if locked:
-        assert isinstance(verdict, Deny) and verdict.code is Code.VAULT_LOCKED
+        assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
     elif not policy_ok:
-        assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_UNAVAILABLE
+        assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_UNAVAILABLE
     elif kind != "live":
         assert isinstance(verdict, AskSession) and verdict.reason is reason
     elif command in ("session_account", "pc_preapproved"):
@@ -179,14 +178,14 @@ def test_policy_checks_come_before_approvals() -> None:
     assert evaluate(request(host="db9"), w).code is Code.UNKNOWN_HOST  # type: ignore[union-attr]
     assert evaluate(request(user="root"), w).code is Code.POLICY_DENIED  # type: ignore[union-attr]
     denied = evaluate(request(b"echo x; rm -rf /"), w)
-    assert isinstance(denied, Deny) and denied.code is Code.POLICY_DENIED
+    assert isinstance(denied, Refusal) and denied.code is Code.POLICY_DENIED
     missed = evaluate(request(b"cat /etc/shadow"), w)
-    assert isinstance(missed, Deny) and "allow" in missed.message
+    assert isinstance(missed, Refusal) and "allow" in missed.message
 
 
 def test_a_dead_subject_is_never_dispatched() -> None:
     verdict = evaluate(request(), world(session=grant(), subject_alive=False))
-    assert isinstance(verdict, Deny) and verdict.code is Code.SESSION_DENIED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.SESSION_DENIED
     assert verdict.reauth_reason is EndReason.PROCESS_CHANGED
 
 
@@ -217,25 +216,25 @@ def test_command_grant_binds_host_address_port_and_key() -> None:
 def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: str) -> None:
     assert fragment in (validate_command(command) or "")
     verdict = evaluate(request(command), world(policy=PolicyError("broken")))
-    assert isinstance(verdict, Deny) and verdict.code is Code.UNSUPPORTED_REQUEST
+    assert isinstance(verdict, Refusal) and verdict.code is Code.UNSUPPORTED_REQUEST
 
 
 def test_a_locked_vault_wins_over_everything() -> None:
     verdict = evaluate(request(b"echo \xff", host="db9"), world(locked=True))
-    assert isinstance(verdict, Deny) and verdict.code is Code.VAULT_LOCKED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
 
 
 def test_an_action_with_an_unknown_outcome_is_refused_before_any_card() -> None:
     verdict = evaluate(request(), world(action_unknown="req_9"))
-    assert isinstance(verdict, Deny) and verdict.code is Code.ACTION_OUTCOME_UNKNOWN
+    assert isinstance(verdict, Refusal) and verdict.code is Code.ACTION_OUTCOME_UNKNOWN
     assert "req_9" in verdict.message and "BASTION_ACK_UNKNOWN=1" in verdict.message
     locked = evaluate(request(), world(action_unknown="req_9", locked=True))
-    assert isinstance(locked, Deny) and locked.code is Code.VAULT_LOCKED
+    assert isinstance(locked, Refusal) and locked.code is Code.VAULT_LOCKED
 
 
 def test_shell_source_never_passes_an_allow_list() -> None:
     verdict = evaluate(request(b"echo hi; id"), world(session=grant()))
-    assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_DENIED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_DENIED
     assert "';' at byte 7 (command separator)" in verdict.message
 
 

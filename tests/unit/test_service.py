@@ -18,7 +18,7 @@ import pytest
 from bastion.core.contract import Code, Failure
 from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.events import EventType, Outcome, Result, recover
-from bastion.core.gate import Request
+from bastion.core.gate import Channel, Request
 from bastion.core.policy import PolicyError
 from bastion.core.subject import SubjectKind
 from bastion.gateway import authority as authority_mod
@@ -62,7 +62,14 @@ class Rig:
         self, conn: AgentConn, command: bytes = b"echo hi", action: str | None = None, **kw: Any
     ) -> asyncio.Task[Result | Failure]:
         req = Request(
-            new_request_id(), conn.host, conn.user, command, conn.peer.subject.key, action
+            new_request_id(),
+            conn.host,
+            conn.user,
+            command,
+            conn.peer.subject.key,
+            action,
+            kw.pop("channel", Channel.EXEC),
+            kw.pop("ssh_user", None),
         )
         coro: Awaitable[Result | Failure] = self.life.service.handle(
             conn, req, kw.pop("conversation", None), req.request_id, **kw
@@ -429,8 +436,10 @@ async def test_kill_signals_the_command_and_records_its_end(rig: Rig) -> None:
 
 async def test_a_refused_request_is_journaled_and_never_asks(rig: Rig) -> None:
     conn = rig.life.connect(rig.tree.spawn())
-    result = await rig.send(conn, refusal="no shells here")
+    result = await rig.send(conn, b"", channel=Channel.SHELL)
     assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert "an interactive shell" in result.message
+    assert rig.journal.for_request(result.request_id) == ["request_received", "denied"]
     assert rig.life.book.pending() == [] and rig.outbound.calls == []
 
 
@@ -503,7 +512,7 @@ async def test_a_shared_ssh_connection_is_refused_before_any_card(rig: Rig) -> N
     assert "ControlMaster" in result.message and rig.life.book.pending() == []
 
 
-async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gate(rig: Rig) -> None:
+async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_any_card(rig: Rig) -> None:
     """`when_full = "refuse"`: nothing is dispatched the collector could not hear of,
     and the agent is told why and that a retry later may work."""
     full = "the audit witness is 9 entries behind; retry later"
