@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 
 from bastion.core.errors import BastionError
 
@@ -137,3 +137,16 @@ class Refusal(BastionError):
         """What the agent is told; `reason` explains a refusal that followed a card."""
         why = self.reauth_reason or reason
         return Failure(self.code, self.message, request_id, why.value if why else None)
+
+
+def _exception_state(self: Refusal, name: str, value: object) -> None:
+    """The fields stay frozen; the interpreter's own bookkeeping of a raised
+    exception (`__traceback__`, `__context__`, ... which `contextlib` assigns as a
+    refusal passes through a `with`) is let through."""
+    if not (name.startswith("__") and name.endswith("__")):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+    object.__setattr__(self, name, value)
+
+
+# Set after the class is made: a frozen dataclass may not define `__setattr__` itself.
+Refusal.__setattr__ = _exception_state  # type: ignore[method-assign, assignment]

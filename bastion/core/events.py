@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from bastion.core.contract import Code
@@ -164,29 +164,6 @@ def bound_action(owner: str, key: str) -> str:
     return hashlib.sha256(b"bastion-action\0" + owner.encode() + b"\0" + key.encode()).hexdigest()
 
 
-@dataclass
-class ActionKeys:
-    """Which logical actions (BASTION_ACTION_KEY, bound to their subject) must be looked at
-    before they are tried again: an action's last attempt decides -- an unknown
-    outcome blocks it, any other outcome clears it, and so does the agent's
-    acknowledgement."""
-
-    blocked: dict[str, str] = field(default_factory=dict)  # action -> request id
-
-    def outcome(self, action: str, request_id: str, outcome: Outcome) -> None:
-        if outcome is Outcome.UNKNOWN:
-            self.blocked[action] = request_id
-        else:
-            self.blocked.pop(action, None)
-
-    def acknowledge(self, action: str) -> bool:
-        """The agent inspected the target; True if the action was blocked."""
-        return self.blocked.pop(action, None) is not None
-
-    def blocking(self, action: str | None) -> str | None:
-        return self.blocked.get(action) if action else None
-
-
 # -- crash recovery ------------------------------------------------------------------------
 
 
@@ -205,12 +182,21 @@ def recover(entries: Iterable[Entry]) -> Recovery:
     before the exec request leaves, so its absence proves nothing was sent."""
     stage: dict[str, EventType] = {}  # request id -> its last life event
     action_of: dict[str, str] = {}
-    actions = ActionKeys()
+    # blocked action -> request id, by the rule `gateway.actions.ActionKeys` keeps live:
+    # an action's last attempt decides, and the agent's acknowledgement clears it.
+    blocked: dict[str, str] = {}
+
+    def attempt(action: str, rid: str, outcome: Outcome) -> None:
+        if outcome is Outcome.UNKNOWN:
+            blocked[action] = rid
+        else:
+            blocked.pop(action, None)
+
     for entry in entries:
         kind = event_type(entry)
         rid = entry.meta.get("request_id")
         if kind is EventType.ACTION_ACKNOWLEDGED:
-            actions.acknowledge(entry.meta.get("action", ""))
+            blocked.pop(entry.meta.get("action", ""), None)
         if not isinstance(rid, str) or kind is None:
             continue
         if kind is EventType.REQUEST_RECEIVED:
@@ -220,13 +206,13 @@ def recover(entries: Iterable[Entry]) -> Recovery:
         elif kind is EventType.DISPATCH_STARTED or kind in TERMINAL:
             stage[rid] = kind
         if kind.outcome is not None and rid in action_of:
-            actions.outcome(action_of[rid], rid, kind.outcome)
+            attempt(action_of[rid], rid, kind.outcome)
     unknown = tuple(r for r, k in stage.items() if k is EventType.DISPATCH_STARTED)
     for rid in unknown:
         if rid in action_of:
-            actions.outcome(action_of[rid], rid, Outcome.UNKNOWN)
+            attempt(action_of[rid], rid, Outcome.UNKNOWN)
     not_started = tuple(r for r, k in stage.items() if k is EventType.REQUEST_RECEIVED)
-    return Recovery(unknown, not_started, dict(actions.blocked))
+    return Recovery(unknown, not_started, dict(blocked))
 
 
 def recovered_meta(request_id: str, outcome: Outcome) -> dict[str, Any]:

@@ -7,21 +7,43 @@ again. That loop is what makes "re-check after every wait" impossible to
 forget: nothing decided before a wait is carried across it except the grant
 a person just gave, and the gate re-validates that grant against the world
 as it is now. `final_check` is the same question asked once more right
-before the exec request leaves, and `unanswered` says what a card that got no
-"yes" means for the agent. The order of the checks is the contract
-(docs/architecture.md, "The gate").
+before the exec request leaves, `after_wait` the same question after a wait
+for a slot or a witness ended badly, and `unanswered` says what a card that
+got no "yes" means for the agent.
+
+Every refusal is decided here, from what the edges observed: the channel and
+ssh user the agent's client sent (`Request`), a shared connection, the
+journal and the witness (`World`). The checks run in the contract's order
+(docs/architecture.md, "The gate"); the first that fails decides:
+
+1. the vault is locked (nothing else is looked at);
+2. the request's shape (`intake`): a channel that is not one exec (a shell, a
+   subsystem, a later channel on a used connection), an ssh user that is not
+   the proxy's, a connection other processes could share, a command that
+   cannot be run exactly as decided;
+3. the journal could not record the request, or lost a record since;
+4. the witness refuses new work;
+5. the policy: unavailable, host, account, command, a certificate nobody can
+   sign, an action whose last attempt ended unknown;
+6. the subject exited; no session grant valid now asks a session card,
+7. and a per-command account with no grant for these exact bytes a command
+   card -- but before any card is asked, the tenant's cap on waiting cards;
+8. otherwise dispatch.
+
+`intake` is steps 2-4 alone: the service asks it before it records an agent's
+acknowledgement of an unknown outcome, which a request refused there never makes.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bastion.core.binding import Binding
 from bastion.core.certs import Auth
-from bastion.core.contract import NOT_SENT, Code, EndReason, Failure
-from bastion.core.defaults import MAX_COMMAND_BYTES
+from bastion.core.contract import NOT_SENT, Code, EndReason, Failure, Refusal
+from bastion.core.defaults import MAX_COMMAND_BYTES, MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.policy import (
     Account,
     CommandCheck,
@@ -81,14 +103,28 @@ class CommandGrant:
     used: bool = False
 
 
+class Channel(enum.Enum):
+    """What the agent's client opened to send the request. Only `EXEC` runs: one
+    command per ssh connection, from the process that opened it."""
+
+    EXEC = "exec"
+    SHELL = "shell"  # a session channel that asked for an interactive shell
+    SUBSYSTEM = "subsystem"  # sftp and the like
+    SHARED = "shared"  # a later session channel on a connection that already carried one
+
+
 @dataclass(frozen=True)
 class Request:
+    """One request, as the agent's client sent it: (channel, target, what)."""
+
     request_id: str
     host: str
     user: str
     command: bytes
     subject_key: SubjectKey
     action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
+    channel: Channel = Channel.EXEC
+    ssh_user: str | None = None  # the login the ssh client sent, where one was sent
 
     @property
     def command_sha256(self) -> str:
@@ -113,18 +149,14 @@ class World:
     action_unknown: str | None = None  # the request whose outcome blocks this action key
     # Why no per-command certificate can be signed now (no CA in the vault), or None.
     certify_problem: str | None = None
-
-
-@dataclass(frozen=True)
-class Deny:
-    code: Code
-    message: str
-    reauth_reason: EndReason | None = None
-
-    def failure(self, request_id: str, reason: EndReason | None = None) -> Failure:
-        """What the agent is told; `reason` explains a denial that followed a card."""
-        why = self.reauth_reason or reason
-        return Failure(self.code, self.message, request_id, why.value if why else None)
+    # Other processes could send commands through the agent's ssh connection (its
+    # client is a ControlMaster, or went to the background).
+    shared_connection: bool = False
+    not_journaled: str | None = None  # why the request's first record could not be written
+    records_lost: bool = False  # a journal record was lost since the request was received
+    witness_refusing: str | None = None  # why the witness takes no new work, or None
+    cards_waiting: int = 0  # cards of the subject's tenant waiting for an operator
+    tenant: str = ""  # that tenant, as the agent is told of it
 
 
 @dataclass(frozen=True)
@@ -151,7 +183,34 @@ class Dispatch:
     command_grant: CommandGrant | None
 
 
-Verdict = Deny | AskSession | AskCommand | Dispatch
+Verdict = Refusal | AskSession | AskCommand | Dispatch
+
+ONE_COMMAND = (
+    "bastion runs one command per ssh connection, and this connection already carried "
+    "one: this command came through an ssh ControlMaster (ControlMaster, ControlPath, "
+    "ControlPersist, -M or -S), which would run it as the process that opened the "
+    "connection. Nothing was sent. Run each command as its own ssh call: drop those "
+    "options, or add -o ControlMaster=no -o ControlPath=none (`ssh -O exit -o "
+    "ControlPath=PATH HOST` stops a master that is still running)."
+)
+CONTROL_MASTER = (
+    "This ssh connection can be shared: its ssh client is a ControlMaster, or went to the "
+    "background (-f, ControlPersist), so other processes could send commands through it "
+    "as this process. bastion approves processes: it runs one command per ssh connection, "
+    "from the process that opened it. Run ssh without ControlMaster, ControlPath, "
+    "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
+    "Nothing was sent."
+)
+NOT_JOURNALED = (
+    "The gateway could not write this request to its journal ({why}), so it did not take "
+    "it. Nothing was sent. An operator must make the journal writable again (disk full?); "
+    "the gateway's log says why."
+)
+STORY_LOST = (
+    "The gateway could not journal every record of this request (disk full?), so it did not "
+    "send the command: nothing is sent that the journal cannot tell. Nothing was sent. An "
+    "operator must make the journal writable again; the gateway's log says why."
+)
 
 
 def validate_command(command: bytes) -> str | None:
@@ -210,7 +269,7 @@ class Assessment:
     which rule decided, and whether it will need a command card. The gate acts on
     it; `bastion check-command` prints it, so the two cannot disagree."""
 
-    deny: Deny | None
+    deny: Refusal | None
     host: Host | None = None
     account: Account | None = None
     check: CommandCheck | None = None
@@ -224,7 +283,7 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
     if host is None:
         known = ", ".join(sorted(policy.hosts)) or "none"
         return Assessment(
-            Deny(
+            Refusal(
                 Code.UNKNOWN_HOST,
                 f'Host "{host_name}" is not in the gateway policy (known hosts: {known}). '
                 f"{NOT_SENT}",
@@ -234,7 +293,7 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
     if account is None:
         users = ", ".join(a.user for a in host.accounts)
         return Assessment(
-            Deny(
+            Refusal(
                 Code.POLICY_DENIED,
                 f'Account "{user}" is not allowed on host "{host_name}" (allowed: {users}). '
                 f"{NOT_SENT}",
@@ -243,7 +302,9 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
         )
     check = check_command(account, command.decode("utf-8"))
     if not check.allowed:
-        deny = Deny(Code.POLICY_DENIED, f"Policy denies this command: {check.reason}. {NOT_SENT}")
+        deny = Refusal(
+            Code.POLICY_DENIED, f"Policy denies this command: {check.reason}. {NOT_SENT}"
+        )
         return Assessment(deny, host, account, check)
     return Assessment(
         None,
@@ -255,77 +316,135 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
     )
 
 
+def unsupported(req: Request, world: World) -> str | None:
+    """What the agent is told when its request is not one exec bastion can run exactly
+    as decided, from the process that asked, or None."""
+    if req.channel is Channel.SHARED:
+        return ONE_COMMAND
+    if req.channel is not Channel.EXEC:
+        what = "a subsystem" if req.channel is Channel.SUBSYSTEM else "an interactive shell"
+        return (
+            f"bastion does not open {what}; it runs one command per ssh call: "
+            "ssh HOST 'COMMAND'. Nothing was sent."
+        )
+    if req.ssh_user is not None and req.ssh_user != req.user:
+        return (
+            f'The ssh user "{req.ssh_user}" does not match the user "{req.user}" '
+            "given to the proxy; use USER@HOST. Nothing was sent."
+        )
+    if world.shared_connection:
+        return CONTROL_MASTER
+    problem = validate_command(req.command)
+    if problem is not None:
+        return f"Refused: {problem}. {NOT_SENT}"
+    return None
+
+
+def intake(req: Request, world: World) -> Refusal | None:
+    """Steps 2-4, the vault aside: whether the gateway takes this request at all --
+    its shape, a journal that can tell it, a witness that takes new work."""
+    # 2. The request's shape: one exec, as the proxy's user, on a connection of its own.
+    shape = unsupported(req, world)
+    if shape is not None:
+        return Refusal(Code.UNSUPPORTED_REQUEST, shape)
+    # 3. Nothing is taken that the journal cannot tell.
+    if world.not_journaled is not None:
+        return Refusal(Code.INTERNAL, NOT_JOURNALED.format(why=world.not_journaled))
+    if world.records_lost:
+        return Refusal(Code.INTERNAL, STORY_LOST)
+    # 4. A witness that cannot keep up (when_full = refuse) takes no new work.
+    if world.witness_refusing is not None:
+        return Refusal(Code.GATEWAY_BUSY, world.witness_refusing)
+    return None
+
+
+def crowded(world: World) -> Refusal | None:
+    """A cap on waiting cards per tenant (the subject's registered run, else its uid):
+    an agent cannot bury the operator, nor take another run's share."""
+    if world.cards_waiting < MAX_PENDING_CARDS_PER_TENANT:
+        return None
+    return Refusal(
+        Code.GATEWAY_BUSY,
+        f"{world.cards_waiting} approval cards from {world.tenant} are already waiting for "
+        f"an operator (the limit is {MAX_PENDING_CARDS_PER_TENANT}). Nothing was sent; send "
+        "this request again once some of those are answered.",
+    )
+
+
 def evaluate(req: Request, world: World) -> Verdict:
     """The checks in their contract order; the first that fails decides."""
     # 1. A locked vault ends everything at once; nothing else is evaluated.
     if world.locked:
-        return Deny(
+        return Refusal(
             Code.VAULT_LOCKED,
             "The credential vault is locked. This command was not queued or sent; "
             "ask the operator to unlock, then decide again whether to send it.",
         )
-    problem = validate_command(req.command)
-    if problem is not None:
-        return Deny(Code.UNSUPPORTED_REQUEST, f"Refused: {problem}. {NOT_SENT}")
-    # 2. No positive work without a valid policy.
+    # 2-4. The request's shape, the journal, the witness.
+    refused = intake(req, world)
+    if refused is not None:
+        return refused
+    # 5. No positive work without a valid policy.
     if isinstance(world.policy, PolicyError):
-        return Deny(
+        return Refusal(
             Code.POLICY_UNAVAILABLE,
             "The gateway's policy could not be loaded, so no command can be authorised. "
             f"An operator must fix the policy files. {NOT_SENT}",
         )
-    # 3. Policy: host, account, command (read as argv or shell source).
+    # 5. Policy: host, account, command (read as argv or shell source).
     judged = assess(world.policy, req.host, req.user, req.command)
     if judged.deny is not None:
         return judged.deny
     host, account, check = judged.host, judged.account, judged.check
     assert host is not None and account is not None and check is not None
-    # 3a. A certificate account with nothing to sign its certificate: the policy asks
+    # 5a. A certificate account with nothing to sign its certificate: the policy asks
     # for what this gateway cannot do, so no card is raised for a login that cannot happen.
     if account.auth is Auth.CERTIFICATE and world.certify_problem is not None:
-        return Deny(
+        return Refusal(
             Code.POLICY_UNAVAILABLE,
             f"The policy says {account.label} logs in with per-command certificates, but "
             f"{world.certify_problem}. {NOT_SENT}",
         )
-    # 3b. The agent's logical action ended unknown last time: look before acting again.
+    # 5b. The agent's logical action ended unknown last time: look before acting again.
     if world.action_unknown is not None:
-        return Deny(
+        return Refusal(
             Code.ACTION_OUTCOME_UNKNOWN,
             f"The last attempt of this action ({world.action_unknown}) ended with an unknown "
             "outcome: it may or may not have run. Inspect the target; to send it anyway, "
             f"repeat with SetEnv BASTION_ACK_UNKNOWN=1. {NOT_SENT}",
         )
-    # 4 + 6. A live session grant, valid in this lifetime, epoch and policy entry.
+    # 6. A live subject, and a session grant valid in this lifetime, epoch and policy
+    # entry; before any card, the tenant's cap on waiting cards.
     digest = entry_digest(host, account)
     if not world.subject_alive:
-        return Deny(
+        return Refusal(
             Code.SESSION_DENIED,
             f"The process that asked has exited; a new process needs a new approval. {NOT_SENT}",
             EndReason.PROCESS_CHANGED,
         )
     session = world.session
     if session is None:
-        return AskSession(host, account, digest, world.ended)
+        return crowded(world) or AskSession(host, account, digest, world.ended)
     stale = session_problem(session, world, digest)
     if stale is not None:
-        return AskSession(host, account, digest, stale)
-    # 5. This exact command, once: per-command accounts, and shell source where it asks.
+        return crowded(world) or AskSession(host, account, digest, stale)
+    # 7. This exact command, once: per-command accounts, and shell source where it asks.
     if judged.command_card:
         grant = world.command_grant
         if grant is None or not command_grant_holds(grant, req, host, account, session, world.now):
-            return AskCommand(host, account, session, check)
+            return crowded(world) or AskCommand(host, account, session, check)
         return Dispatch(host, account, session, grant)
     return Dispatch(host, account, session, None)
 
 
-def final_check(req: Request, world: World, decided: Dispatch) -> Failure | None:
+def final_check(req: Request, world: World, decided: Dispatch) -> Refusal | None:
     """Ask again right before the exec request leaves (connecting was a wait).
 
     Only the very grants that were decided may be used: the same session, and
-    for a per-command account the same, still unused command grant.
+    for a per-command account the same, still unused command grant. No card can
+    be asked any more, so the cap on waiting cards does not apply.
     """
-    verdict = evaluate(req, world)
+    verdict = evaluate(req, replace(world, cards_waiting=0))
     if isinstance(verdict, Dispatch) and verdict.session.id == decided.session.id:
         same = decided.command_grant is None or (
             verdict.command_grant is not None
@@ -333,15 +452,56 @@ def final_check(req: Request, world: World, decided: Dispatch) -> Failure | None
         )
         if same:
             return None
-    if isinstance(verdict, Deny):
-        return Failure(verdict.code, verdict.message, req.request_id)
+    if isinstance(verdict, Refusal):
+        return Refusal(verdict.code, verdict.message)
     why = verdict.reason if isinstance(verdict, AskSession) else None
-    return Failure(
+    return Refusal(
         Code.SESSION_DENIED,
         "The approval ended while the gateway was connecting "
         "to the target; nothing was sent. Send the request again to be re-decided.",
-        req.request_id,
-        why.value if why else None,
+        why,
+    )
+
+
+def after_wait(req: Request, world: World, ended: Refusal) -> Refusal:
+    """A wait after the decision ended badly (no slot freed, no witness confirmed):
+    the request ends with `ended` -- unless the world as it is now refuses it on its
+    own, which comes first in the contract (a vault locked meanwhile: VAULT_LOCKED)."""
+    verdict = evaluate(req, replace(world, cards_waiting=0))
+    return verdict if isinstance(verdict, Refusal) else ended
+
+
+def no_slot(why: str) -> Refusal:
+    """No slot for a decided command freed up within the wait (`admission.Busy`)."""
+    return Refusal(
+        Code.GATEWAY_BUSY,
+        f"The gateway is at its limit of commands at once: {why}. Nothing was sent; "
+        "retry this command in a few seconds.",
+    )
+
+
+def not_durable() -> Refusal:
+    """The intent (`dispatch_started`) could not be written and fsynced."""
+    return Refusal(
+        Code.INTERNAL,
+        "The gateway could not record its intent durably, so it did not send the command. "
+        "Nothing was sent.",
+    )
+
+
+def unwitnessed(why: str) -> Refusal:
+    """The witness did not confirm the intent in time, and `when_full = refuse`."""
+    return Refusal(Code.GATEWAY_BUSY, why)
+
+
+def gateway_failed(request_id: str) -> Failure:
+    """A fault inside the gateway (a bug) while it handled a request: where it stood is
+    not known, so the agent is told to look before retrying."""
+    return Failure(
+        Code.INTERNAL,
+        "The gateway failed while handling this request; an operator "
+        "can read the gateway's log. Inspect the target before retrying.",
+        request_id,
     )
 
 
@@ -349,59 +509,51 @@ def unanswered(
     kind: CardKind,
     answer: Answer,
     target: str,
-    request_id: str,
     reason: EndReason | None,
     approval_timeout: float,
-) -> Failure:
+) -> Refusal:
     """What a card that got no "yes" means for the agent. `target` is USER@HOST."""
-    why = reason.value if reason else None
     what = "this command" if kind is CardKind.COMMAND else "this process"
     if answer is Answer.DECLINED:
-        return Failure(
+        return Refusal(
             Code.CALL_DENIED if kind is CardKind.COMMAND else Code.SESSION_DENIED,
             f"The operator declined {what} on {target}. "
             "Nothing was sent; do not retry without asking the person.",
-            request_id,
-            why,
+            reason,
         )
     if answer is Answer.WITHDRAWN_LOCKED:
-        return Failure(
+        return Refusal(
             Code.VAULT_LOCKED,
             "The credential vault was locked while this request "
             "waited for approval. It was not queued or sent.",
-            request_id,
-            why,
+            reason,
         )
     if answer is Answer.UNSEEN:
-        return Failure(
+        return Refusal(
             Code.NO_APPROVER,
             f"No operator was watching for approvals within "
             f"{approval_timeout:g}s. Nothing was sent; ask the person "
             "to run `bastion approve` (or `bastion pending`), then retry.",
-            request_id,
-            why,
+            reason,
         )
     if answer is Answer.TIMEOUT:
-        return Failure(
+        return Refusal(
             Code.APPROVAL_TIMEOUT,
             f"Nobody answered the approval card within {approval_timeout:g}s. Nothing was sent.",
-            request_id,
-            why,
+            reason,
         )
-    return Failure(
+    return Refusal(
         Code.SESSION_DENIED,
         "The request ended before it was approved (its "
         "process exited or its connection closed). Nothing was sent.",
-        request_id,
-        why,
+        reason,
     )
 
 
-def rounds_exhausted(request_id: str) -> Failure:
+def rounds_exhausted() -> Refusal:
     """The gate kept asking after approvals: the world kept moving under the request."""
-    return Failure(
+    return Refusal(
         Code.APPROVAL_TIMEOUT,
         "The approval no longer matched the request after "
         "several rounds; nothing was sent. Send the request again.",
-        request_id,
     )

@@ -3,9 +3,10 @@
 Past the limit a decided command waits in a queue of its own subject's, and a
 freed slot goes to the subjects in turn (round robin), not to whoever sent the
 most: one busy agent cannot starve the others. A command that waits longer than
-`wait` seconds gets `Busy`, which the service turns into `GATEWAY_BUSY`
-(retryable, nothing was sent). Nothing hangs and nothing is lost: a command
-either gets a slot or that answer, and is journaled either way.
+`wait` seconds gets `Busy`, what was observed; the gate words it
+(`gate.no_slot`: `GATEWAY_BUSY`, retryable, nothing was sent) unless the world
+as it is now refuses first (`gate.after_wait`). Nothing hangs and nothing is
+lost: a command either gets a slot or that answer, and is journaled either way.
 
 The wait happens after the gate's decision and before the dispatch, whose final
 check decides again: a lock or revoke while a command waits still stops it.
@@ -22,20 +23,12 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Hashable
 
-from bastion.core.contract import Code, Failure
 from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
+from bastion.core.errors import BastionError
 
 
-class Busy(Exception):
-    """No slot freed up within the wait."""
-
-    def failure(self, request_id: str) -> Failure:
-        return Failure(
-            Code.GATEWAY_BUSY,
-            f"The gateway is at its limit of commands at once: {self}. Nothing was sent; "
-            "retry this command in a few seconds.",
-            request_id,
-        )
+class Busy(BastionError):
+    """No slot freed up within the wait; the text says how full the slots were."""
 
 
 class Admission:

@@ -16,6 +16,10 @@ the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
 nothing.
 
+This module only observes: which channel the client opened (`gate.Channel`)
+and the ssh user it sent go into the `Request`, and the gate decides each of
+those refusals in its contract order, after a locked vault (`core/gate.py`).
+
 Every other request on the session channel is answered without touching the
 command's relay (`agent_channel.py`).
 
@@ -44,9 +48,9 @@ from typing import Any
 
 import asyncssh
 
-from bastion.core.contract import Code, Failure
+from bastion.core.contract import Failure
 from bastion.core.events import Outcome, bound_action
-from bastion.core.gate import Request
+from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.subject import Peer
 from bastion.gateway import procs
 from bastion.gateway.agent_channel import AgentChannel
@@ -74,16 +78,6 @@ _ONE_CONNECTION_LOST = {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAG
 # Raised by a connection's own code for a client's input, or by the system; logged
 # without a traceback. Anything else is a bug and is logged with one (once per kind).
 _EXPECTED = (ValueError, TimeoutError, IdentityError, OSError, asyncssh.Error)
-
-ONE_COMMAND = (
-    "bastion runs one command per ssh connection, and this connection already carried "
-    "one: this command came through an ssh ControlMaster (ControlMaster, ControlPath, "
-    "ControlPersist, -M or -S), which would run it as the process that opened the "
-    "connection. Nothing was sent. Run each command as its own ssh call: drop those "
-    "options, or add -o ControlMaster=no -o ControlPath=none (`ssh -O exit -o "
-    "ControlPath=PATH HOST` stops a master that is still running)."
-)
-
 
 REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
 QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
@@ -358,32 +352,28 @@ class _AgentSSH(asyncssh.SSHServer):
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = AgentChannel
         extra = self.sessions > 1
-        process = asyncssh.SSHServerProcess(
-            lambda p: self._exec(p, ONE_COMMAND if extra else None), None, 3, False
-        )
+        process = asyncssh.SSHServerProcess(lambda p: self._exec(p, extra), None, 3, False)
         return chan, process
 
-    async def _exec(self, process: asyncssh.SSHServerProcess[bytes], refusal: str | None) -> None:
+    async def _exec(self, process: asyncssh.SSHServerProcess[bytes], extra: bool) -> None:
         request_id = new_request_id()
         try:
-            await self._serve(process, request_id, refusal)
+            await self._serve(process, request_id, extra)
         except Exception:
             log.exception("%s: internal error", request_id)
-            _finish_failure(
-                process,
-                Failure(
-                    Code.INTERNAL,
-                    "The gateway failed while handling this request; an operator "
-                    "can read the gateway's log. Inspect the target before retrying.",
-                    request_id,
-                ),
-            )
+            _finish_failure(process, gateway_failed(request_id))
 
     async def _serve(
-        self, process: asyncssh.SSHServerProcess[bytes], request_id: str, refusal: str | None
+        self, process: asyncssh.SSHServerProcess[bytes], request_id: str, extra: bool
     ) -> None:
         conn = self.conn
         command: bytes | None = getattr(process.channel, "exact_command", None)
+        if extra:
+            channel = Channel.SHARED  # a ControlMaster's next command
+        elif command is None:
+            channel = Channel.SUBSYSTEM if process.subsystem else Channel.SHELL
+        else:
+            channel = Channel.EXEC
         env = process.env
         conversation = env.get("BASTION_CONVERSATION")
         if conversation is not None:
@@ -393,7 +383,16 @@ class _AgentSSH(asyncssh.SSHServer):
         # another process's acknowledgement or question names another action.
         action_key = env.get("BASTION_ACTION_KEY")
         action = bound_action(procs.owner(subject), action_key) if action_key else None
-        req = Request(request_id, conn.host, conn.user, command or b"", subject.key, action)
+        req = Request(
+            request_id,
+            conn.host,
+            conn.user,
+            command or b"",
+            subject.key,
+            action,
+            channel,
+            self.ssh_user,
+        )
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",
             request_id,
@@ -404,19 +403,6 @@ class _AgentSSH(asyncssh.SSHServer):
             len(req.command),
             req.command_sha256[:16],
         )
-        if refusal is not None:
-            pass  # decided when the channel opened
-        elif command is None:
-            what = "a subsystem" if process.subsystem else "an interactive shell"
-            refusal = (
-                f"bastion does not open {what}; it runs one command per ssh call: "
-                "ssh HOST 'COMMAND'. Nothing was sent."
-            )
-        elif self.ssh_user != conn.user:
-            refusal = (
-                f'The ssh user "{self.ssh_user}" does not match the user "{conn.user}" '
-                "given to the proxy; use USER@HOST. Nothing was sent."
-            )
         streams = Streams(process.stdin, process.stdout, process.stderr)
         result = await self.service.handle(
             conn,
@@ -424,7 +410,6 @@ class _AgentSSH(asyncssh.SSHServer):
             conversation,
             streams,
             ack_unknown=action is not None and env.get("BASTION_ACK_UNKNOWN") == "1",
-            refusal=refusal,
         )
         if isinstance(result, Failure):
             _finish_failure(process, result)

@@ -5,9 +5,12 @@ and if the gate wants a person, raise a card and wait -- then take a new
 snapshot and ask again (`authorize`). Right before the exec request leaves,
 the gate is asked once more (`final_check`, inside `intent`), because
 connecting to the target is itself a wait; in the same breath, with no await,
-a command grant is spent and the intent is made durable. The operator's state
-changes (answer, revoke, lock, unlock, a process exiting) are here too,
-because each of them ends approvals that requests are waiting on.
+a command grant is spent and the intent is made durable. The service decides
+nothing itself: it observes (what the journal, the witness, the agent's ssh
+client and the waiting cards say: `Arrival`, `Service.world`) and carries out
+the gate's verdict. The operator's state changes (answer, revoke, lock,
+unlock, a process exiting) live in `authority.py`, which ends the approvals
+and cards here through the book.
 
 `Service` is built from its parts, so tests can hand it fakes: a vault, a
 policy source, the approval book, an outbound dispatcher, a recorder, and the
@@ -22,16 +25,15 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bastion.core.cards import Card, make_card
-from bastion.core.contract import Code, Failure
-from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_PENDING_CARDS_PER_TENANT, MAX_ROUNDS
+from bastion.core.contract import Failure, Refusal
+from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_ROUNDS
 from bastion.core.events import (
     CAUSE_KILLED,
-    ActionKeys,
     EventType,
     Outcome,
     Recovery,
@@ -42,23 +44,26 @@ from bastion.core.gate import (
     Answer,
     AskSession,
     CardKind,
-    Deny,
     Dispatch,
     EndReason,
     Request,
     SessionGrant,
     World,
+    after_wait,
     evaluate,
     final_check,
+    intake,
+    no_slot,
     rounds_exhausted,
     unanswered,
 )
 from bastion.core.policy import Account, Host
 from bastion.core.subject import Peer, Subject
+from bastion.gateway.actions import ActionKeys
 from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
-from bastion.gateway.intent import Intent, NotDispatched, not_journaled
+from bastion.gateway.intent import Intent
 from bastion.gateway.recorder import PolicyWatch, Recorder
 from bastion.gateway.tenants import Tenant
 from bastion.journal import JournalError
@@ -78,7 +83,9 @@ class VaultState(Protocol):
 
 
 class Outbound(Protocol):
-    """What the request path needs of `outbound.Dispatcher`."""
+    """What the request path needs of `outbound.Dispatcher`: `run` raises a `Refusal`
+    for an ending before the exec request left (the intent's own passes through) and
+    returns a `Result` once it was sent."""
 
     async def run(
         self,
@@ -129,28 +136,15 @@ class Decided:
     command_card: str | None
 
 
-CONTROL_MASTER = (
-    "This ssh connection can be shared: its ssh client is a ControlMaster, or went to the "
-    "background (-f, ControlPersist), so other processes could send commands through it "
-    "as this process. bastion approves processes: it runs one command per ssh connection, "
-    "from the process that opened it. Run ssh without ControlMaster, ControlPath, "
-    "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
-    "Nothing was sent."
-)
+@dataclass(frozen=True)
+class Arrival:
+    """What was observed of a request once, as it arrived, and holds for its whole life:
+    every snapshot of its world carries it (`Service.world`)."""
 
-
-def too_many_cards(pending: Iterable[Card], subject: Subject) -> str | None:
-    """A cap on waiting cards per tenant (the subject's registered run, else its uid:
-    `tenants.py`): an agent cannot bury the operator, nor take another run's share."""
-    tenant = Tenant.of_subject(subject)
-    waiting = sum(1 for c in pending if Tenant.of_subject(c.subject) == tenant)
-    if waiting < MAX_PENDING_CARDS_PER_TENANT:
-        return None
-    return (
-        f"{waiting} approval cards from {tenant} are already waiting for an operator "
-        f"(the limit is {MAX_PENDING_CARDS_PER_TENANT}). Nothing was sent; send this "
-        "request again once some of those are answered."
-    )
+    not_journaled: str | None = None  # why its first record could not be written
+    lost: int = 0  # the recorder's count of lost records once it was received
+    shared_connection: bool = False  # its ssh client could carry other processes' commands
+    witness_refusing: str | None = None  # why the witness took no new work as it arrived
 
 
 def new_request_id() -> str:
@@ -219,9 +213,17 @@ class Service:
     # -- the world, as the gate sees it --------------------------------------------------
 
     def world(
-        self, req: Request, subject: Subject, conversation: str | None, command_card: str | None
+        self,
+        req: Request,
+        subject: Subject,
+        conversation: str | None,
+        command_card: str | None,
+        arrival: Arrival | None = None,
     ) -> World:
+        """Everything the gate may look at, now: each value observed, none judged."""
+        seen = arrival or Arrival(lost=self.recorder.lost)
         grant, ended = self.book.session_for(subject, req.host, req.user, conversation)
+        tenant = Tenant.of_subject(subject)
         return World(
             locked=self.vault.locked,
             vault_epoch=self.vault.epoch,
@@ -234,6 +236,14 @@ class Service:
             now=self.clock(),
             action_unknown=self.actions.blocking(req.action),
             certify_problem=self.certifier.problem() if self.certifier else NO_ISSUER,
+            shared_connection=seen.shared_connection,
+            not_journaled=seen.not_journaled,
+            records_lost=self.recorder.lost != seen.lost,
+            witness_refusing=seen.witness_refusing,
+            cards_waiting=sum(
+                1 for c in self.book.pending() if Tenant.of_subject(c.subject) == tenant
+            ),
+            tenant=str(tenant),
         )
 
     # -- one request ---------------------------------------------------------------------
@@ -246,7 +256,6 @@ class Service:
         streams: Any,
         *,
         ack_unknown: bool = False,
-        refusal: str | None = None,
     ) -> Result | Failure:
         """The whole life of one exec request; every ending is journaled.
 
@@ -256,54 +265,70 @@ class Service:
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
             req = replace(req, subject_key=fresh.key)
-        try:
-            self.recorder.received(conn.peer, req, conversation)
-        except (OSError, JournalError) as exc:  # nothing is taken that the journal cannot tell
-            return self._denied(conn, req, not_journaled(req.request_id, exc))
-        lost = self.recorder.lost  # a record of this request lost after this: not sent
-        if refusal is None and self.rides_a_master(conn.peer):
-            refusal = CONTROL_MASTER
-        if refusal is not None:
-            return self._denied(
-                conn, req, Failure(Code.UNSUPPORTED_REQUEST, refusal, req.request_id)
-            )
-        if (full := self.refusing()) is not None:
-            return self._denied(conn, req, Failure(Code.GATEWAY_BUSY, full, req.request_id))
-        if ack_unknown and req.action is not None and self.actions.acknowledge(req.action):
-            self.recorder.record(
-                EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
-            )
-        decided = await self.authorize(conn, req, conversation)
+        arrival = self.arrive(conn, req, conversation)
+        if ack_unknown and req.action is not None:
+            self.acknowledge(conn, req, conversation, arrival)
+        decided = await self.authorize(conn, req, conversation, arrival)
         if isinstance(decided, Failure):
             return self._denied(conn, req, decided)
         try:
             async with self.admission.slot(conn.peer.subject.process_key):
-                return await self.dispatch(conn, req, conversation, decided, streams, lost)
+                return await self.dispatch(conn, req, conversation, decided, streams, arrival)
         except Busy as busy:
-            return self._denied(conn, req, busy.failure(req.request_id))
-        except NotDispatched as refused:
-            return self._denied(conn, req, refused.failure)
+            now = self.world(req, conn.peer.subject, conversation, decided.command_card, arrival)
+            ended = after_wait(req, now, no_slot(str(busy)))
+            return self._denied(conn, req, ended.failure(req.request_id))
         finally:
             self.book.discard_command_grant(decided.command_card)
+
+    def arrive(self, conn: AgentConn, req: Request, conversation: str | None) -> Arrival:
+        """Journal the request's first record and observe what holds for its life. A
+        record that cannot be written is observed too: the gate refuses the request."""
+        not_journaled: str | None = None
+        try:
+            self.recorder.received(conn.peer, req, conversation)
+        except (OSError, JournalError) as exc:  # nothing is taken that the journal cannot tell
+            log.error("%s: could not journal the request: %s", req.request_id, exc)
+            not_journaled = str(exc)
+        return Arrival(
+            not_journaled,
+            self.recorder.lost,  # a record lost after this: not sent
+            self.rides_a_master(conn.peer),
+            self.refusing(),
+        )
+
+    def acknowledge(
+        self, conn: AgentConn, req: Request, conversation: str | None, arrival: Arrival
+    ) -> None:
+        """The agent inspected the target after an unknown outcome: its action is clear
+        again -- unless the gateway does not take this request at all (`gate.intake`)."""
+        assert req.action is not None
+        world = self.world(req, conn.peer.subject, conversation, None, arrival)
+        if intake(req, world) is None and self.actions.acknowledge(req.action):
+            self.recorder.record(
+                EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
+            )
 
     def _denied(self, conn: AgentConn, req: Request, failure: Failure) -> Failure:
         self.recorder.denied(conn.peer.subject, req, failure)
         return failure
 
     async def authorize(
-        self, conn: AgentConn, req: Request, conversation: str | None
+        self,
+        conn: AgentConn,
+        req: Request,
+        conversation: str | None,
+        arrival: Arrival | None = None,
     ) -> Decided | Failure:
         command_card: str | None = None
         reason: EndReason | None = None
         for _ in range(MAX_ROUNDS):
-            world = self.world(req, conn.peer.subject, conversation, command_card)
+            world = self.world(req, conn.peer.subject, conversation, command_card, arrival)
             verdict = evaluate(req, world)
             if isinstance(verdict, Dispatch):
                 return Decided(verdict, command_card)
-            if isinstance(verdict, Deny):
+            if isinstance(verdict, Refusal):
                 return verdict.failure(req.request_id, reason)
-            if (crowded := too_many_cards(self.book.pending(), conn.peer.subject)) is not None:
-                return Failure(Code.GATEWAY_BUSY, crowded, req.request_id)
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
                 if (stale := world.session) is not None:  # recorded but stale: end it, say why
@@ -325,12 +350,11 @@ class Service:
             answer = await self._ask(conn, card)
             if answer is not Answer.APPROVED:
                 target = f"{card.binding.user}@{card.host}"
-                return unanswered(
-                    card.kind, answer, target, req.request_id, reason, self.approval_timeout
-                )
+                refused = unanswered(card.kind, answer, target, reason, self.approval_timeout)
+                return refused.failure(req.request_id)
             if card.kind is CardKind.COMMAND:
                 command_card = card.id
-        return rounds_exhausted(req.request_id)
+        return rounds_exhausted().failure(req.request_id)
 
     async def _ask(self, conn: AgentConn, card: Card) -> Answer:
         """Raise a card and wait for its answer, its withdrawal, or the timeout."""
@@ -363,16 +387,20 @@ class Service:
         conversation: str | None,
         decided: Decided,
         streams: Any,
-        lost: int = 0,
-    ) -> Result:
+        arrival: Arrival | None = None,
+    ) -> Result | Failure:
         """Send a decided command: re-ask the gate, spend the grant, journal the
         intent durably (and, with a witness, have it confirmed: `Intent.prepare`), exec,
-        relay, and record the outcome as it is known."""
+        relay, and record the outcome as it is known. A refusal is journaled here: the
+        intent's as `denied`, the outbound side's as `not_started`. (None is raised on:
+        a frozen `Refusal` cannot pass through a context manager, which sets its
+        `__traceback__`.)"""
         flight = InFlight(req.request_id)
         chosen = decided.dispatch
+        seen = arrival or Arrival(lost=self.recorder.lost)
 
-        def last_word() -> Failure | None:
-            world = self.world(req, conn.peer.subject, conversation, decided.command_card)
+        def last_word() -> Refusal | None:
+            world = self.world(req, conn.peer.subject, conversation, decided.command_card, seen)
             return final_check(req, world, chosen)
 
         intent = Intent(
@@ -382,7 +410,6 @@ class Service:
             (self.book, decided.command_card),
             lambda: self.inflight.update({req.request_id: flight}),
             self.recorder,
-            lost,
             self.witnessed,
         )
 
@@ -404,6 +431,17 @@ class Service:
                 certify=certify,
                 prepare=intent.prepare if self.witnessed is not None else None,
             )
+        except Refusal as refused:
+            if refused is intent.refusal:  # the gate, the journal or the witness said no
+                return self._denied(conn, req, refused.failure(req.request_id))
+            # Ended before the exec request left (connect, credential, certificate).
+            result = Result(
+                Outcome.NOT_STARTED, code=refused.code, message=refused.message, cause=refused.cause
+            )
+            self.recorder.outcome(req.request_id, result)
+            if req.action is not None:
+                self.actions.outcome(req.action, req.request_id, result.outcome)
+            return refused.failure(req.request_id)
         finally:
             self.inflight.pop(req.request_id, None)
         if result.outcome is Outcome.UNKNOWN and flight.killed:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bastion.core.contract import Code
+from bastion.core.contract import Code, Refusal
 from bastion.core.events import EventType, Outcome, Result
 from bastion.core.policy import Account, Host, Policy, PolicyError, build_policy
 from bastion.core.subject import Peer, ProcessInfo, Subject
@@ -221,11 +221,11 @@ class FakeOutbound:
             call.connect()
         try:
             await call.connected
-        except OSError:
-            return Result(Outcome.NOT_STARTED, code=Code.UNREACHABLE, message="unreachable")
+        except OSError:  # as `outbound.Dispatcher`: nothing left, so a Refusal
+            raise Refusal(Code.UNREACHABLE, "unreachable", cause=Code.UNREACHABLE.value) from None
         if prepare is not None:
-            await prepare()  # a witness holds the intent, or NotDispatched: nothing leaves
-        intent()  # raises NotDispatched: nothing leaves
+            await prepare()  # a witness holds the intent, or it raises a Refusal: nothing leaves
+        intent()  # raises the intent's Refusal: nothing leaves
         call.sent = True
         self.sent.append(call)
         self.on_send(call)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from bastion.core.contract import Code
+from bastion.core.gate import no_slot
 from bastion.gateway.admission import Admission, Busy
 
 pytestmark = pytest.mark.unit
@@ -81,7 +82,7 @@ async def test_a_wait_past_the_bound_is_a_retryable_busy() -> None:
     with pytest.raises(Busy) as caught:
         async with a.slot("other"):
             pytest.fail("got a slot past the limit")
-    failure = caught.value.failure("req_1")
+    failure = no_slot(str(caught.value)).failure("req_1")
     assert failure.code is Code.GATEWAY_BUSY and failure.code.retryable
     assert "Nothing was sent" in failure.message and "retry" in failure.message
     assert a.refused == 1 and a.waiting() == 0 and a.inflight == 1

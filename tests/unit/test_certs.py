@@ -15,8 +15,8 @@ import pytest
 
 from bastion import ca
 from bastion.core.certs import BACKDATE, Auth, CertError, cert_spec, source_networks
-from bastion.core.contract import Code
-from bastion.core.gate import Deny, Request, World, evaluate
+from bastion.core.contract import Code, Refusal
+from bastion.core.gate import Request, World, evaluate
 from bastion.core.policy import (
     Policy,
     PolicyError,
@@ -165,11 +165,11 @@ def test_the_gate_refuses_a_certificate_account_nothing_can_sign_for_before_any_
     req = Request("req_1", "web1", "deploy", b"uptime", (1, 1.0, "n", "e"))
     cert = policy('auth = "certificate"\nsource_address = ["10.0.0.1"]')
     verdict = evaluate(req, _world(cert, "the vault holds no user CA"))
-    assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_UNAVAILABLE
+    assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_UNAVAILABLE
     assert "deploy@web1" in verdict.message and "the vault holds no user CA" in verdict.message
-    assert not isinstance(evaluate(req, _world(cert, None)), Deny)  # a card, then
+    assert not isinstance(evaluate(req, _world(cert, None)), Refusal)  # a card, then
     keyed = policy('credential = "k"')
-    assert not isinstance(evaluate(req, _world(keyed, "no CA")), Deny)  # key accounts: no matter
+    assert not isinstance(evaluate(req, _world(keyed, "no CA")), Refusal)  # key accounts: no matter
 
 
 # -- the vault's CA ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import inspect
 import pkgutil
 import re
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -126,3 +127,30 @@ def test_the_drawing_is_read_as_drawn() -> None:
     assert tree["opsock.GatewayNotRunning"] == ("opsock.OperatorError", frozenset())
     assert tree["vault_file.KeyFilePassphraseNeeded"] == ("vault_file.VaultError", frozenset())
     assert tree["courier.Undelivered"] == (ROOT, frozenset())
+
+
+def test_a_refusal_passes_through_a_context_manager_and_stays_frozen() -> None:
+    """`contextlib` sets `__traceback__` on an exception that leaves a `with`: a plain
+    frozen dataclass would turn the refusal into a FrozenInstanceError there."""
+    import asyncio
+    import contextlib
+    import dataclasses
+
+    from bastion.core.contract import Code, Refusal
+
+    @contextlib.asynccontextmanager
+    async def held() -> Any:
+        yield
+
+    async def carry() -> Refusal:
+        try:
+            async with held():
+                raise Refusal(Code.GATEWAY_BUSY, "no slot")
+        except Refusal as refusal:
+            return refusal
+        raise AssertionError("not raised")
+
+    refusal = asyncio.run(carry())
+    assert refusal.code is Code.GATEWAY_BUSY and refusal.__traceback__ is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        refusal.message = "other"  # type: ignore[misc]

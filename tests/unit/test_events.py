@@ -13,7 +13,6 @@ import pytest
 
 from bastion.core.events import (
     TERMINAL,
-    ActionKeys,
     EventType,
     Outcome,
     RequestState,
@@ -24,6 +23,7 @@ from bastion.core.events import (
     request_state,
     sessions,
 )
+from bastion.gateway.actions import ActionKeys
 from tests.unit.fakes import Rec
 
 E = EventType

@@ -9,20 +9,31 @@ from dataclasses import replace
 import pytest
 
 from bastion.core.binding import Binding
-from bastion.core.contract import Code
+from bastion.core.contract import Code, Refusal
+from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
+    Answer,
     AskCommand,
     AskSession,
+    CardKind,
+    Channel,
     CommandGrant,
-    Deny,
     Dispatch,
     EndReason,
     Request,
     SessionGrant,
     World,
+    after_wait,
     assess,
     evaluate,
+    final_check,
+    gateway_failed,
+    no_slot,
+    not_durable,
+    rounds_exhausted,
+    unanswered,
+    unwitnessed,
     validate_command,
 )
 from bastion.core.policy import (
@@ -52,6 +63,12 @@ user = "ops"
 credential = "ops-key"
 approval = "per-command"
 preapproved = ["uptime"]
+
+[[hosts.web1.accounts]]
+user = "cert"
+auth = "certificate"
+source_address = ["10.0.0.1"]
+deny = ["*rm -rf*"]
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
@@ -163,9 +180,9 @@ def test_state_space(locked: bool, policy_ok: bool, session: str, command: str) 
     verdict = evaluate(req, w)
     kind, reason = SESSIONS[session]
     if locked:
-        assert isinstance(verdict, Deny) and verdict.code is Code.VAULT_LOCKED
+        assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
     elif not policy_ok:
-        assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_UNAVAILABLE
+        assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_UNAVAILABLE
     elif kind != "live":
         assert isinstance(verdict, AskSession) and verdict.reason is reason
     elif command in ("session_account", "pc_preapproved"):
@@ -181,14 +198,14 @@ def test_policy_checks_come_before_approvals() -> None:
     assert evaluate(request(host="db9"), w).code is Code.UNKNOWN_HOST  # type: ignore[union-attr]
     assert evaluate(request(user="root"), w).code is Code.POLICY_DENIED  # type: ignore[union-attr]
     denied = evaluate(request(b"echo x; rm -rf /"), w)
-    assert isinstance(denied, Deny) and denied.code is Code.POLICY_DENIED
+    assert isinstance(denied, Refusal) and denied.code is Code.POLICY_DENIED
     missed = evaluate(request(b"cat /etc/shadow"), w)
-    assert isinstance(missed, Deny) and "allow" in missed.message
+    assert isinstance(missed, Refusal) and "allow" in missed.message
 
 
 def test_a_dead_subject_is_never_dispatched() -> None:
     verdict = evaluate(request(), world(session=grant(), subject_alive=False))
-    assert isinstance(verdict, Deny) and verdict.code is Code.SESSION_DENIED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.SESSION_DENIED
     assert verdict.reauth_reason is EndReason.PROCESS_CHANGED
 
 
@@ -219,25 +236,133 @@ def test_command_grant_binds_host_address_port_and_key() -> None:
 def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: str) -> None:
     assert fragment in (validate_command(command) or "")
     verdict = evaluate(request(command), world(policy=PolicyError("broken")))
-    assert isinstance(verdict, Deny) and verdict.code is Code.UNSUPPORTED_REQUEST
+    assert isinstance(verdict, Refusal) and verdict.code is Code.UNSUPPORTED_REQUEST
+
+
+# Every refusal fact of a request and its world, in the contract's order (the gate's
+# docstring, docs/architecture.md "The gate"): its code, and words only its message has.
+# `refused` sets each on a request that would otherwise ask a certificate account's
+# session card.
+REFUSALS: list[tuple[str, Code, str]] = [
+    ("locked", Code.VAULT_LOCKED, "vault is locked"),
+    ("channel", Code.UNSUPPORTED_REQUEST, ""),  # the words: CHANNEL_WORDS
+    ("ssh_user", Code.UNSUPPORTED_REQUEST, "does not match the user"),
+    ("shared_connection", Code.UNSUPPORTED_REQUEST, "This ssh connection can be shared"),
+    ("bad_command", Code.UNSUPPORTED_REQUEST, "NUL byte"),
+    ("not_journaled", Code.INTERNAL, "could not write this request to its journal (disk"),
+    ("records_lost", Code.INTERNAL, "could not journal every record"),
+    ("witness_refusing", Code.GATEWAY_BUSY, "the witness is behind"),
+    ("policy_error", Code.POLICY_UNAVAILABLE, "policy could not be loaded"),
+    ("unknown_host", Code.UNKNOWN_HOST, "is not in the gateway policy"),
+    ("denied_account", Code.POLICY_DENIED, "is not allowed on host"),
+    ("denied_command", Code.POLICY_DENIED, "Policy denies this command"),
+    ("certify_problem", Code.POLICY_UNAVAILABLE, "per-command certificates"),
+    ("action_unknown", Code.ACTION_OUTCOME_UNKNOWN, "ended with an unknown outcome"),
+    ("subject_dead", Code.SESSION_DENIED, "has exited"),
+    ("cards_at_cap", Code.GATEWAY_BUSY, "approval cards from uid 1000"),
+]
+CHANNELS = [c for c in Channel if c is not Channel.EXEC]
+CHANNEL_WORDS = {
+    Channel.SHELL: "does not open an interactive shell",
+    Channel.SUBSYSTEM: "does not open a subsystem",
+    Channel.SHARED: "this connection already carried one",
+}
+
+
+def refused(facts: dict[str, object]) -> tuple[Request, World]:
+    """The request and world with these facts failing (`channel`: which non-exec one)."""
+    user = "root" if facts.get("denied_account") else "cert"
+    command = b"echo hi"
+    if facts.get("denied_command"):
+        command = b"echo x; rm -rf /"
+    if facts.get("bad_command"):
+        command = b"echo a\0b"
+    req = Request(
+        "req_1",
+        "db9" if facts.get("unknown_host") else "web1",
+        user,
+        command,
+        SUBJECT,
+        channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
+        ssh_user="other" if facts.get("ssh_user") else user,
+    )
+    w = world(
+        locked=bool(facts.get("locked")),
+        shared_connection=bool(facts.get("shared_connection")),
+        not_journaled="disk full" if facts.get("not_journaled") else None,
+        records_lost=bool(facts.get("records_lost")),
+        witness_refusing="the witness is behind" if facts.get("witness_refusing") else None,
+        policy=PolicyError("broken") if facts.get("policy_error") else POLICY,
+        certify_problem="the vault holds no user CA" if facts.get("certify_problem") else None,
+        action_unknown="req_9" if facts.get("action_unknown") else None,
+        subject_alive=not facts.get("subject_dead"),
+        cards_waiting=MAX_PENDING_CARDS_PER_TENANT if facts.get("cards_at_cap") else 0,
+        tenant="uid 1000",
+    )
+    return req, w
+
+
+def test_with_no_refusal_fact_the_request_asks_a_card() -> None:
+    assert isinstance(evaluate(*refused({})), AskSession)
+
+
+@pytest.mark.parametrize("fact,code,words", REFUSALS)
+def test_each_refusal_fact_alone_is_refused_with_its_code(
+    fact: str, code: Code, words: str
+) -> None:
+    for value in CHANNELS if fact == "channel" else [True]:
+        verdict = evaluate(*refused({fact: value}))
+        assert isinstance(verdict, Refusal) and verdict.code is code, (fact, value)
+        assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
+
+
+@pytest.mark.parametrize("channel", [None, *CHANNELS])
+def test_the_first_failing_check_in_contract_order_decides(channel: Channel | None) -> None:
+    """Over every combination of the refusal facts (and each channel), the verdict
+    is exactly the refusal of the first fact that fails, in the contract's order:
+    in particular VAULT_LOCKED whenever the vault is locked."""
+    names = [name for name, _, _ in REFUSALS if name != "channel"]
+    order = [
+        (name, code, CHANNEL_WORDS[channel] if name == "channel" and channel else words)
+        for name, code, words in REFUSALS
+    ]
+    for values in itertools.product([False, True], repeat=len(names)):
+        facts: dict[str, object] = {n: v for n, v in zip(names, values, strict=True) if v}
+        if channel is not None:
+            facts["channel"] = channel
+        verdict = evaluate(*refused(facts))
+        first = next(((n, c, w) for n, c, w in order if n in facts), None)
+        if first is None:
+            assert isinstance(verdict, AskSession)
+            continue
+        name, code, words = first
+        assert isinstance(verdict, Refusal), (sorted(facts), name)
+        assert verdict.code is code and words in verdict.message, (sorted(facts), name)
+        if "locked" in facts:
+            assert verdict.code is Code.VAULT_LOCKED
 
 
 def test_a_locked_vault_wins_over_everything() -> None:
+    """Every other refusal fact at once, from the policy's and from the edges'."""
+    facts: dict[str, object] = {name: True for name, _, _ in REFUSALS}
+    for channel in CHANNELS:
+        verdict = evaluate(*refused({**facts, "channel": channel}))
+        assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
     verdict = evaluate(request(b"echo \xff", host="db9"), world(locked=True))
-    assert isinstance(verdict, Deny) and verdict.code is Code.VAULT_LOCKED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
 
 
 def test_an_action_with_an_unknown_outcome_is_refused_before_any_card() -> None:
     verdict = evaluate(request(), world(action_unknown="req_9"))
-    assert isinstance(verdict, Deny) and verdict.code is Code.ACTION_OUTCOME_UNKNOWN
+    assert isinstance(verdict, Refusal) and verdict.code is Code.ACTION_OUTCOME_UNKNOWN
     assert "req_9" in verdict.message and "BASTION_ACK_UNKNOWN=1" in verdict.message
     locked = evaluate(request(), world(action_unknown="req_9", locked=True))
-    assert isinstance(locked, Deny) and locked.code is Code.VAULT_LOCKED
+    assert isinstance(locked, Refusal) and locked.code is Code.VAULT_LOCKED
 
 
 def test_shell_source_never_passes_an_allow_list() -> None:
     verdict = evaluate(request(b"echo hi; id"), world(session=grant()))
-    assert isinstance(verdict, Deny) and verdict.code is Code.POLICY_DENIED
+    assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_DENIED
     assert "';' at byte 7 (command separator)" in verdict.message
 
 
@@ -256,3 +381,84 @@ def test_assess_is_the_gates_policy_step() -> None:
     assert (judged.deny, judged.command_card, judged.preapproved) == (None, False, "uptime")
     assert assess(POLICY, "web1", "ops", b"ls | head").command_card
     assert assess(POLICY, "nope", "ops", b"ls").deny.code is Code.UNKNOWN_HOST  # type: ignore[union-attr]
+
+
+def test_the_card_cap_applies_only_before_a_card() -> None:
+    at_cap = world(cards_waiting=MAX_PENDING_CARDS_PER_TENANT, tenant="run r1")
+    assert isinstance(evaluate(request(), replace(at_cap, session=grant())), Dispatch)
+    for req, w in [
+        (request(), at_cap),  # a session card
+        (request(b"echo hi", "ops"), replace(at_cap, session=grant("ops"))),  # a command card
+    ]:
+        verdict = evaluate(req, w)
+        assert isinstance(verdict, Refusal) and verdict.code is Code.GATEWAY_BUSY
+        assert verdict.message.startswith(
+            f"{MAX_PENDING_CARDS_PER_TENANT} approval cards from run r1"
+        )
+    below = replace(at_cap, cards_waiting=MAX_PENDING_CARDS_PER_TENANT - 1)
+    assert isinstance(evaluate(request(), below), AskSession)
+
+
+def test_the_final_check_allows_only_the_decided_grants_and_asks_no_card() -> None:
+    w = world(session=grant())
+    decided = evaluate(request(), w)
+    assert isinstance(decided, Dispatch)
+    crowded = replace(w, cards_waiting=MAX_PENDING_CARDS_PER_TENANT)
+    assert final_check(request(), crowded, decided) is None
+    locked = final_check(request(), replace(w, locked=True), decided)
+    assert locked is not None and locked.code is Code.VAULT_LOCKED
+    ended = final_check(request(), replace(crowded, session=None), decided)  # revoked meanwhile
+    assert ended is not None and ended.code is Code.SESSION_DENIED
+    assert ended.message.startswith("The approval ended while the gateway was connecting")
+    lost = final_check(request(), replace(w, records_lost=True), decided)
+    assert lost is not None and lost.code is Code.INTERNAL and "every record" in lost.message
+
+
+def test_after_a_wait_the_world_as_it_is_now_refuses_first() -> None:
+    busy = no_slot("2 commands are in flight (the limit) and 1 wait; none finished within 5s")
+    assert busy.code is Code.GATEWAY_BUSY and busy.message == (
+        "The gateway is at its limit of commands at once: 2 commands are in flight (the "
+        "limit) and 1 wait; none finished within 5s. Nothing was sent; retry this command "
+        "in a few seconds."
+    )
+    w = world(session=grant(), cards_waiting=MAX_PENDING_CARDS_PER_TENANT)
+    assert after_wait(request(), w, busy) is busy  # the gate still says dispatch
+    assert after_wait(request(), replace(w, session=None), busy) is busy  # it would ask a card
+    locked = after_wait(request(), replace(w, locked=True), busy)
+    assert locked.code is Code.VAULT_LOCKED
+    witness = unwitnessed("the audit witness did not confirm")
+    assert after_wait(request(), replace(w, locked=True), witness).code is Code.VAULT_LOCKED
+    assert (witness.code, witness.message) == (
+        Code.GATEWAY_BUSY,
+        "the audit witness did not confirm",
+    )
+
+
+def test_the_endings_after_the_decision_keep_their_words() -> None:
+    assert not_durable().code is Code.INTERNAL
+    assert not_durable().message.startswith("The gateway could not record its intent durably")
+    failed = gateway_failed("req_1")
+    assert (failed.code, failed.request_id) == (Code.INTERNAL, "req_1")
+    assert "Inspect the target before retrying" in failed.message
+    exhausted = rounds_exhausted().failure("req_1")
+    assert exhausted.code is Code.APPROVAL_TIMEOUT and exhausted.reauth_reason is None
+
+
+@pytest.mark.parametrize(
+    "answer,kind,code",
+    [
+        (Answer.DECLINED, CardKind.SESSION, Code.SESSION_DENIED),
+        (Answer.DECLINED, CardKind.COMMAND, Code.CALL_DENIED),
+        (Answer.WITHDRAWN_LOCKED, CardKind.SESSION, Code.VAULT_LOCKED),
+        (Answer.UNSEEN, CardKind.COMMAND, Code.NO_APPROVER),
+        (Answer.TIMEOUT, CardKind.SESSION, Code.APPROVAL_TIMEOUT),
+        (Answer.WITHDRAWN_GONE, CardKind.COMMAND, Code.SESSION_DENIED),
+    ],
+)
+def test_a_card_without_a_yes_is_a_refusal_that_keeps_why_the_card_was_asked(
+    answer: Answer, kind: CardKind, code: Code
+) -> None:
+    refused = unanswered(kind, answer, "deploy@web1", EndReason.POLICY_CHANGED, 30.0)
+    failure = refused.failure("req_1")
+    assert (failure.code, failure.reauth_reason) == (code, "policy_changed")
+    assert "Nothing was sent" in failure.message or "not queued or sent" in failure.message

@@ -18,7 +18,7 @@ import pytest
 from bastion.core.contract import Code, Failure
 from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.events import EventType, Outcome, Result, recover
-from bastion.core.gate import Request
+from bastion.core.gate import Channel, Request
 from bastion.core.policy import PolicyError
 from bastion.core.subject import SubjectKind
 from bastion.gateway import authority as authority_mod
@@ -62,7 +62,14 @@ class Rig:
         self, conn: AgentConn, command: bytes = b"echo hi", action: str | None = None, **kw: Any
     ) -> asyncio.Task[Result | Failure]:
         req = Request(
-            new_request_id(), conn.host, conn.user, command, conn.peer.subject.key, action
+            new_request_id(),
+            conn.host,
+            conn.user,
+            command,
+            conn.peer.subject.key,
+            action,
+            kw.pop("channel", Channel.EXEC),
+            kw.pop("ssh_user", None),
         )
         coro: Awaitable[Result | Failure] = self.life.service.handle(
             conn, req, kw.pop("conversation", None), req.request_id, **kw
@@ -429,8 +436,10 @@ async def test_kill_signals_the_command_and_records_its_end(rig: Rig) -> None:
 
 async def test_a_refused_request_is_journaled_and_never_asks(rig: Rig) -> None:
     conn = rig.life.connect(rig.tree.spawn())
-    result = await rig.send(conn, refusal="no shells here")
+    result = await rig.send(conn, b"", channel=Channel.SHELL)
     assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert "an interactive shell" in result.message
+    assert rig.journal.for_request(result.request_id) == ["request_received", "denied"]
     assert rig.life.book.pending() == [] and rig.outbound.calls == []
 
 
@@ -503,7 +512,7 @@ async def test_a_shared_ssh_connection_is_refused_before_any_card(rig: Rig) -> N
     assert "ControlMaster" in result.message and rig.life.book.pending() == []
 
 
-async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_the_gate(rig: Rig) -> None:
+async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_any_card(rig: Rig) -> None:
     """`when_full = "refuse"`: nothing is dispatched the collector could not hear of,
     and the agent is told why and that a retry later may work."""
     full = "the audit witness is 9 entries behind; retry later"
@@ -584,3 +593,93 @@ async def test_wrong_passphrases_in_a_row_cost_ever_longer(
     with pytest.raises(WrongPassphrase):
         await rig.life.authority.unlock(b"wrong")  # a success started the count again
     assert waits == [0.5, 1.0, 2.0, 0.5]
+
+
+async def test_an_unreachable_target_is_journaled_not_started_and_the_agent_told_so() -> None:
+    """The outbound side raises a `Refusal` for an ending before the exec left: the
+    journal's `not_started` (with its cause) and the agent's answer are as before."""
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn, action="deploy-1")
+    await r.approve()
+    await idle()
+    (call,) = r.outbound.waiting()
+    call.connect(ok=False)
+    result = await task
+    assert isinstance(result, Failure) and result.code is Code.UNREACHABLE
+    assert result.message == "unreachable"
+    assert r.journal.for_request(result.request_id)[-1] == "not_started"
+    (record,) = r.journal.of(E.NOT_STARTED)
+    assert record.meta["code"] == "UNREACHABLE" and record.meta["cause"] == "UNREACHABLE"
+    assert r.life.service.actions.blocking("deploy-1") is None
+
+
+async def test_a_locked_vault_answers_before_every_refusal_an_edge_observes() -> None:
+    """The refusals once decided before the gate (a shell, another ssh user, a shared
+    connection, a journal that cannot record, a witness refusing) come after the lock."""
+    r = Rig()  # a lifetime starts locked
+    for kw in ({"channel": Channel.SHELL}, {"channel": Channel.SHARED}, {"ssh_user": "root"}):
+        result = await r.send(r.life.connect(r.tree.spawn()), **kw)
+        assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED, kw
+    r.life.service.rides_a_master = lambda peer: True
+    r.life.service.refusing = lambda: "the audit witness is 9 entries behind"
+    result = await r.send(r.life.connect(r.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert r.journal.for_request(result.request_id) == ["request_received", "denied"]
+    r.journal.fail = {E.REQUEST_RECEIVED}
+    result = await r.send(r.life.connect(r.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert r.outbound.calls == [] and r.life.book.pending() == []
+    await r.unlock()  # unlocked, each is refused in the contract's order
+    result = await r.send(r.life.connect(r.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert "ControlMaster" in result.message
+    r.life.service.rides_a_master = lambda peer: False
+    result = await r.send(r.life.connect(r.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.INTERNAL
+    r.journal.fail = set()
+    result = await r.send(r.life.connect(r.tree.spawn()))
+    assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
+
+
+async def test_an_ssh_user_other_than_the_proxys_is_refused_before_any_card(rig: Rig) -> None:
+    conn = rig.life.connect(rig.tree.spawn())
+    result = await rig.send(conn, ssh_user="root")
+    assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
+    assert result.message == (
+        'The ssh user "root" does not match the user "deploy" given to the proxy; '
+        "use USER@HOST. Nothing was sent."
+    )
+    assert rig.life.book.pending() == []
+
+
+async def test_a_wait_for_a_slot_that_ran_out_while_the_vault_locked_says_vault_locked() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    r.life.service.admission = Admission(limit=1, wait=0.05)
+    _, first = await approved_in_flight(r)
+    second = r.send(r.life.connect(r.tree.spawn()))
+    await r.approve()
+    await idle()
+    assert r.life.service.admission.waiting() == 1
+    await r.life.authority.lock(terminate=False)
+    result = await asyncio.wait_for(second, 5)  # the wait runs out: the lock comes first
+    assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
+    assert r.journal.for_request(result.request_id)[-1] == "denied"
+    first.cancel()
+
+
+async def test_an_acknowledgement_on_a_request_the_gateway_does_not_take_is_not_made() -> None:
+    r = Rig(auto=False)
+    await r.unlock()
+    conn = r.life.connect(r.tree.spawn())
+    task = r.send(conn, action="deploy-42")
+    await r.approve()
+    await r.finished(Result(Outcome.UNKNOWN, code=Code.STATUS_UNKNOWN, cause="connection_lost"))
+    await task
+    refused = await r.send(conn, b"", action="deploy-42", ack_unknown=True, channel=Channel.SHELL)
+    assert isinstance(refused, Failure) and refused.code is Code.UNSUPPORTED_REQUEST
+    assert not r.journal.of(E.ACTION_ACKNOWLEDGED)
+    blocked = await r.send(conn, action="deploy-42")
+    assert isinstance(blocked, Failure) and blocked.code is Code.ACTION_OUTCOME_UNKNOWN
