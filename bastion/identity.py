@@ -51,8 +51,8 @@ DEFAULT_WRAPPERS = frozenset(
 # Matched against the basename of the executable the kernel resolved, so a name is the
 # real binary's, not the command's: Debian's `vim` runs /usr/bin/vim.basic (its
 # alternatives), `emacs` runs emacs-gtk, emacs-nox, ... or, built from source,
-# emacs-29.1. Globs (`emacs-*`) are allowed, here and in `--session-host`.
-DEFAULT_SESSION_HOSTS = frozenset(
+# emacs-29.1. Globs (`emacs-*`) are allowed, here and in `--terminal-host`.
+DEFAULT_TERMINAL_HOSTS = frozenset(
     {
         *("tmux", "tmate", "screen", "zellij", "abduco", "dtach", "dvtm"),  # multiplexers
         *("sshd", "sshd-session", "dropbear", "mosh-server"),  # remote logins
@@ -116,11 +116,11 @@ class Resolver:
     def __init__(
         self,
         wrappers: frozenset[str] = DEFAULT_WRAPPERS,
-        session_hosts: frozenset[str] = DEFAULT_SESSION_HOSTS,
+        terminal_hosts: frozenset[str] = DEFAULT_TERMINAL_HOSTS,
     ) -> None:
         self.wrappers = wrappers
-        self.session_hosts = session_hosts
-        self._hosts = name_matcher(session_hosts)
+        self.terminal_hosts = terminal_hosts
+        self._hosts = name_matcher(terminal_hosts)
         self.hasher = ExeHasher()
         self.images = Images()
         self._nonces: dict[tuple[int, float], str] = {}
@@ -179,7 +179,7 @@ class Resolver:
         front = self.fronts.get((info.pid, info.start_time))
         return front is not None and self.images.current(info.pid, info.start_time)[0] == front
 
-    def _is_session_host(self, info: ProcessInfo) -> bool:
+    def _is_terminal_host(self, info: ProcessInfo) -> bool:
         return (
             info.pid == 1
             or info.pid == os.getpid()
@@ -193,7 +193,7 @@ class Resolver:
             name=name,
             ssh=name == "ssh",
             wrapper=self._is_wrapper(info),
-            session_host=self._is_session_host(info),
+            terminal_host=self._is_terminal_host(info),
         )
 
     def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:

@@ -15,7 +15,7 @@ writes the journal in the home and a witness file wherever bastion.toml says,
 makes outbound TCP connections, and takes 512 MiB for Argon2id at each unlock.
 Options that need a mount namespace are only set for the system manager: in a
 per-user manager they imply `PrivateUsers=`, which would show every other uid
-as `nobody` (an isolated agent's peer uid, the session hosts in /proc) and
+as `nobody` (an isolated agent's peer uid, the terminal hosts in /proc) and
 make the agent socket's `chown` to the agents' group fail. `LEFT_OUT` says
 what is not used and why; the unit repeats it in comments.
 """
@@ -103,7 +103,7 @@ LEFT_OUT: tuple[tuple[str, str], ...] = (
     ),
     (
         "PrivateUsers= (and, in a --user unit, every option that implies it)",
-        "other uids would read as nobody: an isolated agent's peer uid, the session hosts",
+        "other uids would read as nobody: an isolated agent's peer uid, the terminal hosts",
     ),
     ("PrivateNetwork=, IPAddressDeny=", "the gateway connects to the targets"),
     ("MemoryMax=, MemoryHigh=", "Argon2id takes 512 MiB at each unlock"),

@@ -68,8 +68,9 @@ if TYPE_CHECKING:
     help="Another executable the subject walk passes over like a shell (repeatable).",
 )
 @click.option(
-    "--session-host",
-    "session_hosts",
+    "--terminal-host",
+    "--session-host",  # its name before issue 19
+    "terminal_hosts",
     multiple=True,
     metavar="NAME",
     help="Another executable the subject walk never climbs into, like tmux: a name or a "
@@ -85,7 +86,7 @@ def daemon(
     command_ttl: float,
     keepalive: float,
     wrappers: tuple[str, ...],
-    session_hosts: tuple[str, ...],
+    terminal_hosts: tuple[str, ...],
 ) -> None:
     """Run the gateway in the foreground. It starts locked.
 
@@ -132,7 +133,7 @@ def daemon(
             command_approval_ttl=command_ttl,
             keepalive_interval=keepalive,
             wrappers=frozenset(wrappers),
-            session_hosts=frozenset(session_hosts),
+            terminal_hosts=frozenset(terminal_hosts),
         )
     )
 

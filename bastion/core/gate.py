@@ -65,8 +65,9 @@ class CardKind(enum.Enum):
     COMMAND = "command"
 
 
-class Answer(enum.Enum):
-    """How a card's life ended, as the waiting request learns it."""
+class CardEnding(enum.Enum):
+    """How a card's life ended, as the waiting request learns it: an answer (yes,
+    no), or none (timed out, withdrawn). An operator *answers*; a card *ends*."""
 
     APPROVED = "approved"
     DECLINED = "declined"
@@ -507,28 +508,28 @@ def gateway_failed(request_id: str) -> Failure:
 
 def unanswered(
     kind: CardKind,
-    answer: Answer,
+    answer: CardEnding,
     target: str,
     reason: EndReason | None,
     approval_timeout: float,
 ) -> Refusal:
     """What a card that got no "yes" means for the agent. `target` is USER@HOST."""
     what = "this command" if kind is CardKind.COMMAND else "this process"
-    if answer is Answer.DECLINED:
+    if answer is CardEnding.DECLINED:
         return Refusal(
             Code.CALL_DENIED if kind is CardKind.COMMAND else Code.SESSION_DENIED,
             f"The operator declined {what} on {target}. "
             "Nothing was sent; do not retry without asking the person.",
             reason,
         )
-    if answer is Answer.WITHDRAWN_LOCKED:
+    if answer is CardEnding.WITHDRAWN_LOCKED:
         return Refusal(
             Code.VAULT_LOCKED,
             "The credential vault was locked while this request "
             "waited for approval. It was not queued or sent.",
             reason,
         )
-    if answer is Answer.UNSEEN:
+    if answer is CardEnding.UNSEEN:
         return Refusal(
             Code.NO_APPROVER,
             f"No operator was watching for approvals within "
@@ -536,7 +537,7 @@ def unanswered(
             "to run `bastion approve` (or `bastion pending`), then retry.",
             reason,
         )
-    if answer is Answer.TIMEOUT:
+    if answer is CardEnding.TIMEOUT:
         return Refusal(
             Code.APPROVAL_TIMEOUT,
             f"Nobody answered the approval card within {approval_timeout:g}s. Nothing was sent.",

@@ -117,7 +117,7 @@ class SubjectKind(enum.Enum):
 
     RUN = "registered run"  # `bastion run`: its whole process tree is one subject
     PROCESS = "agent process"  # the first program above ssh that is not a shell or wrapper
-    SESSION_SHELL = "shell of a terminal session"  # the walk stopped below a session host
+    TERMINAL_SHELL = "shell of a terminal session"  # the walk stopped below a terminal host
 
 
 class ExecWatch(enum.Enum):
@@ -190,14 +190,14 @@ class Peer:
 @dataclass(frozen=True)
 class Observed:
     """What the resolver saw of one process in the chain, all `subject_index` needs.
-    Whether a program is a wrapper or a session host is judged by the executable
+    Whether a program is a wrapper or a terminal host is judged by the executable
     the kernel resolved (configured lists, registered fronts, /proc), so the
     resolver judges it; where the subject stands, given that, is decided here."""
 
     name: str  # basename of the executable the kernel resolved ("" when unreadable)
     ssh: bool  # the ssh client
     wrapper: bool  # a shell or wrapper that acts for its parent
-    session_host: bool  # hosts terminal sessions (tmux, sshd, a terminal, init)
+    terminal_host: bool  # hosts terminal sessions (tmux, sshd, a terminal, init)
 
 
 @dataclass(frozen=True)
@@ -209,19 +209,19 @@ class NoSubject:
 
 def subject_index(chain: Sequence[Observed]) -> tuple[int, SubjectKind] | NoSubject:
     """Where the subject stands in the chain (peer first): above `ssh`, past shells
-    and wrappers, but never inside a session host (tmux, sshd, a terminal, init):
-    there the shell just below it is the subject. Approving a session host would
+    and wrappers, but never inside a terminal host (tmux, sshd, a terminal, init):
+    there the shell just below it is the subject. Approving a terminal host would
     approve every session inside it."""
     start = next((i + 1 for i, p in enumerate(chain) if p.ssh), 0)
     for i in range(start, len(chain)):
-        if chain[i].session_host:
+        if chain[i].terminal_host:
             if i == start:
                 return NoSubject(
                     f"ssh was started directly by {chain[i].name or 'pid 1'}, a "
-                    "session host: there is no agent process to approve; run ssh from "
+                    "terminal host: there is no agent process to approve; run ssh from "
                     "the agent (or a shell) instead"
                 )
-            return i - 1, SubjectKind.SESSION_SHELL
+            return i - 1, SubjectKind.TERMINAL_SHELL
         if not chain[i].wrapper:
             return i, SubjectKind.PROCESS
     return NoSubject("no process above the ssh client could be identified")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from bastion.core.cards import Card
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
-from bastion.core.gate import Answer, CardKind, CommandGrant, EndReason, SessionGrant
+from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, SessionGrant
 from bastion.core.subject import Subject, SubjectKey
 
 
@@ -31,7 +31,7 @@ class CardError(BastionError):
 @dataclass
 class _Open:
     card: Card
-    future: asyncio.Future[Answer]
+    future: asyncio.Future[CardEnding]
     approver_seen: bool = False
 
 
@@ -66,7 +66,7 @@ class ApprovalBook:
     clock: Callable[[], float] = time.time
     # A session grant began (reason None) or ended (with its reason).
     on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
-    on_card: Callable[[Card, Answer | None], None] | None = None  # opened (None) or closed
+    on_card: Callable[[Card, CardEnding | None], None] | None = None  # opened (None) or closed
     _cards: dict[str, _Open] = field(default_factory=dict)
     _sessions: dict[tuple[SubjectKey, str, str], _Live] = field(default_factory=dict)
     _ended: dict[str, EndReason] = field(default_factory=dict)
@@ -75,8 +75,8 @@ class ApprovalBook:
 
     # -- cards -----------------------------------------------------------------
 
-    def open_card(self, card: Card) -> asyncio.Future[Answer]:
-        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+    def open_card(self, card: Card) -> asyncio.Future[CardEnding]:
+        fut: asyncio.Future[CardEnding] = asyncio.get_running_loop().create_future()
         self._cards[card.id] = _Open(card, fut)
         self._notify()
         if self.on_card is not None:
@@ -92,7 +92,7 @@ class ApprovalBook:
         for o in self._cards.values():
             o.approver_seen = True
 
-    def close_card(self, card_id: str, answer: Answer) -> bool:
+    def close_card(self, card_id: str, answer: CardEnding) -> bool:
         """End a card's life; True if it was still open (and is now answered)."""
         o = self._cards.pop(card_id, None)
         if o is None or o.future.done():
@@ -107,7 +107,7 @@ class ApprovalBook:
         """Nobody answered in time: say whether anybody was looking."""
         o = self._cards.get(card_id)
         seen = bool(o and o.approver_seen)
-        return self.close_card(card_id, Answer.TIMEOUT if seen else Answer.UNSEEN)
+        return self.close_card(card_id, CardEnding.TIMEOUT if seen else CardEnding.UNSEEN)
 
     def answer(self, card_id: str, approve: bool, vault_epoch: int, locked: bool) -> Card:
         """Apply an operator's answer, or refuse it if the card's world is gone."""
@@ -116,17 +116,17 @@ class ApprovalBook:
             raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
         card = o.card
         if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
-            self.close_card(card_id, Answer.WITHDRAWN_LOCKED)
+            self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED)
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
         if approve:
             if card.kind is CardKind.SESSION:
                 self._grant_session(card)
             else:
                 self._grant_command(card)
-        self.close_card(card_id, Answer.APPROVED if approve else Answer.DECLINED)
+        self.close_card(card_id, CardEnding.APPROVED if approve else CardEnding.DECLINED)
         return card
 
-    def withdraw(self, pred: Callable[[Card], bool], answer: Answer) -> list[Card]:
+    def withdraw(self, pred: Callable[[Card], bool], answer: CardEnding) -> list[Card]:
         gone = [o.card for o in self._cards.values() if not o.future.done() and pred(o.card)]
         for card in gone:
             self.close_card(card.id, answer)

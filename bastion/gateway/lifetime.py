@@ -61,7 +61,7 @@ from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
-    DEFAULT_SESSION_HOSTS,
+    DEFAULT_TERMINAL_HOSTS,
     DEFAULT_WRAPPERS,
     Resolver,
     alive,
@@ -94,7 +94,7 @@ class Settings:
     keepalive_interval: float = KEEPALIVE_INTERVAL
     keepalive_count_max: int = KEEPALIVE_COUNT_MAX
     wrappers: frozenset[str] = frozenset()  # added to identity.DEFAULT_WRAPPERS
-    session_hosts: frozenset[str] = frozenset()  # added to identity.DEFAULT_SESSION_HOSTS
+    terminal_hosts: frozenset[str] = frozenset()  # added to identity.DEFAULT_TERMINAL_HOSTS
 
 
 def gateway_config(home: Home) -> Config:
@@ -114,7 +114,7 @@ class Gateway:
         self.boot_id = "boot_" + secrets.token_hex(12)
         self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
         self.resolver = Resolver(
-            DEFAULT_WRAPPERS | settings.wrappers, DEFAULT_SESSION_HOSTS | settings.session_hosts
+            DEFAULT_WRAPPERS | settings.wrappers, DEFAULT_TERMINAL_HOSTS | settings.terminal_hosts
         )
         identity = read_identity(self.home.journal, identity_pin(self.vault))
         self.journal = Journal(self.home.journal, identity, self.boot_id)

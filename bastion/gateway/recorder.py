@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from bastion.core.cards import Card
 from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
-from bastion.core.gate import Answer, EndReason, Request, SessionGrant
+from bastion.core.gate import CardEnding, EndReason, Request, SessionGrant
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
@@ -211,7 +211,7 @@ class Recorder:
 
     # -- approvals -----------------------------------------------------------------------
 
-    def card(self, card: Card, answer: Answer | None) -> None:
+    def card(self, card: Card, answer: CardEnding | None) -> None:
         meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
         if answer is None:
             self.record(EventType.CARD_RAISED, meta, {"card": card.as_json()})

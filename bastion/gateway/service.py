@@ -41,8 +41,8 @@ from bastion.core.events import (
     recovered_meta,
 )
 from bastion.core.gate import (
-    Answer,
     AskSession,
+    CardEnding,
     CardKind,
     Dispatch,
     EndReason,
@@ -348,7 +348,7 @@ class Service:
                 self.approval_timeout,
             )
             answer = await self._ask(conn, card)
-            if answer is not Answer.APPROVED:
+            if answer is not CardEnding.APPROVED:
                 target = f"{card.binding.user}@{card.host}"
                 refused = unanswered(card.kind, answer, target, reason, self.approval_timeout)
                 return refused.failure(req.request_id)
@@ -356,7 +356,7 @@ class Service:
                 command_card = card.id
         return rounds_exhausted().failure(req.request_id)
 
-    async def _ask(self, conn: AgentConn, card: Card) -> Answer:
+    async def _ask(self, conn: AgentConn, card: Card) -> CardEnding:
         """Raise a card and wait for its answer, its withdrawal, or the timeout."""
         fut = self.book.open_card(card)
         conn.cards.add(card.id)
@@ -378,7 +378,7 @@ class Service:
         finally:
             timer.cancel()
             conn.cards.discard(card.id)
-            self.book.close_card(card.id, Answer.WITHDRAWN_GONE)  # no-op if answered
+            self.book.close_card(card.id, CardEnding.WITHDRAWN_GONE)  # no-op if answered
 
     async def dispatch(
         self,
@@ -479,11 +479,11 @@ class Service:
     def connection_closed(self, conn: AgentConn) -> None:
         self.connections.discard(conn)
         for card_id in list(conn.cards):
-            self.book.close_card(card_id, Answer.WITHDRAWN_GONE)
+            self.book.close_card(card_id, CardEnding.WITHDRAWN_GONE)
 
     # -- what the book reports -------------------------------------------------------------
 
-    def _card_event(self, card: Card, answer: Answer | None) -> None:
+    def _card_event(self, card: Card, answer: CardEnding | None) -> None:
         if answer is None and self.recorder.watchers:
             self.book.note_operator()  # somebody is looking at it right now
         self.recorder.card(card, answer)

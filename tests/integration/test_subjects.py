@@ -1,5 +1,5 @@
 """Who the subject is (issue 9): decided from executables, never from names a
-process sets itself, and never a session host such as tmux -- nor dvtm or a vim
+process sets itself, and never a terminal host such as tmux -- nor dvtm or a vim
 `:terminal` (issue 18), which host windows just as tmux hosts panes."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_ssh_run_by_tmux_itself_is_refused_with_the_reason_and_no_card(
     assert error == {
         "code": "INTERNAL",
         "message": "The bastion gateway refused the connection: ssh was started directly "
-        "by tmux, a session host: there is no agent process to approve; run ssh from the "
+        "by tmux, a terminal host: there is no agent process to approve; run ssh from the "
         "agent (or a shell) instead. Nothing was sent to the target.",
         "request_id": None,
         "retryable": False,
@@ -241,7 +241,7 @@ def host_argv(host: str, windows: list[Window]) -> list[str]:
 
 
 @pytest.mark.parametrize("host", ["dvtm", "vim"])
-def test_two_windows_of_a_session_host_are_two_subjects(
+def test_two_windows_of_a_terminal_host_are_two_subjects(
     bastion: Bastion, tmp_path: Path, host: str
 ) -> None:
     """Two windows of one real dvtm, or two `:terminal`s of one real vim

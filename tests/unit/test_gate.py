@@ -13,9 +13,9 @@ from bastion.core.contract import Code, Refusal
 from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
-    Answer,
     AskCommand,
     AskSession,
+    CardEnding,
     CardKind,
     Channel,
     CommandGrant,
@@ -447,16 +447,16 @@ def test_the_endings_after_the_decision_keep_their_words() -> None:
 @pytest.mark.parametrize(
     "answer,kind,code",
     [
-        (Answer.DECLINED, CardKind.SESSION, Code.SESSION_DENIED),
-        (Answer.DECLINED, CardKind.COMMAND, Code.CALL_DENIED),
-        (Answer.WITHDRAWN_LOCKED, CardKind.SESSION, Code.VAULT_LOCKED),
-        (Answer.UNSEEN, CardKind.COMMAND, Code.NO_APPROVER),
-        (Answer.TIMEOUT, CardKind.SESSION, Code.APPROVAL_TIMEOUT),
-        (Answer.WITHDRAWN_GONE, CardKind.COMMAND, Code.SESSION_DENIED),
+        (CardEnding.DECLINED, CardKind.SESSION, Code.SESSION_DENIED),
+        (CardEnding.DECLINED, CardKind.COMMAND, Code.CALL_DENIED),
+        (CardEnding.WITHDRAWN_LOCKED, CardKind.SESSION, Code.VAULT_LOCKED),
+        (CardEnding.UNSEEN, CardKind.COMMAND, Code.NO_APPROVER),
+        (CardEnding.TIMEOUT, CardKind.SESSION, Code.APPROVAL_TIMEOUT),
+        (CardEnding.WITHDRAWN_GONE, CardKind.COMMAND, Code.SESSION_DENIED),
     ],
 )
 def test_a_card_without_a_yes_is_a_refusal_that_keeps_why_the_card_was_asked(
-    answer: Answer, kind: CardKind, code: Code
+    answer: CardEnding, kind: CardKind, code: Code
 ) -> None:
     refused = unanswered(kind, answer, "deploy@web1", EndReason.POLICY_CHANGED, 30.0)
     failure = refused.failure("req_1")

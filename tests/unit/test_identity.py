@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bastion.core.subject import ExecWatch, Observed, ProcessInfo, SubjectKind
-from bastion.identity import DEFAULT_SESSION_HOSTS, IdentityError, Resolver, name_matcher
+from bastion.identity import DEFAULT_TERMINAL_HOSTS, IdentityError, Resolver, name_matcher
 
 
 def proc(pid: int, exe: str, name: str | None = None) -> ProcessInfo:
@@ -25,9 +25,9 @@ AGENT, INIT = proc(650, "/usr/bin/node"), proc(1, "/sbin/init")
     [
         ([PROXY, SSH, AGENT, BASH, TMUX, INIT], 2, SubjectKind.PROCESS),
         ([PROXY, SSH, BASH, AGENT, TMUX, INIT], 3, SubjectKind.PROCESS),
-        ([PROXY, SSH, BASH, TMUX, INIT], 2, SubjectKind.SESSION_SHELL),  # the pane's shell
-        ([PROXY, SSH, BASH, proc(500, "/usr/sbin/sshd"), INIT], 2, SubjectKind.SESSION_SHELL),
-        ([PROXY, SSH, BASH, proc(5, "/usr/bin/env"), INIT], 3, SubjectKind.SESSION_SHELL),
+        ([PROXY, SSH, BASH, TMUX, INIT], 2, SubjectKind.TERMINAL_SHELL),  # the pane's shell
+        ([PROXY, SSH, BASH, proc(500, "/usr/sbin/sshd"), INIT], 2, SubjectKind.TERMINAL_SHELL),
+        ([PROXY, SSH, BASH, proc(5, "/usr/bin/env"), INIT], 3, SubjectKind.TERMINAL_SHELL),
         ([PROXY, SSH, proc(700, "/usr/bin/python3", name="bash"), INIT], 2, SubjectKind.PROCESS),
         ([PROXY, SSH, proc(700, "", name="bash"), BASH, INIT], 2, SubjectKind.PROCESS),
     ],
@@ -41,33 +41,36 @@ AGENT, INIT = proc(650, "/usr/bin/node"), proc(1, "/sbin/init")
         "an unreadable exe is not a wrapper",
     ],
 )
-def test_the_subject_is_above_ssh_past_wrappers_and_below_session_hosts(
+def test_the_subject_is_above_ssh_past_wrappers_and_below_terminal_hosts(
     chain: list[ProcessInfo], index: int, kind: SubjectKind
 ) -> None:
     assert Resolver().subject_index(chain) == (index, kind)
 
 
 @pytest.mark.parametrize("host", [TMUX, INIT, proc(42, "/usr/bin/sudo")])
-def test_ssh_started_by_a_session_host_has_no_subject(host: ProcessInfo) -> None:
-    with pytest.raises(IdentityError, match="session host"):
+def test_ssh_started_by_a_terminal_host_has_no_subject(host: ProcessInfo) -> None:
+    with pytest.raises(IdentityError, match="terminal host"):
         Resolver().subject_index([PROXY, SSH, host, INIT])
 
 
 def test_the_lists_are_configurable() -> None:
-    resolver = Resolver(wrappers=frozenset({"node"}), session_hosts=frozenset({"bash"}))
-    assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (2, SubjectKind.SESSION_SHELL)
+    resolver = Resolver(wrappers=frozenset({"node"}), terminal_hosts=frozenset({"bash"}))
+    assert resolver.subject_index([PROXY, SSH, AGENT, BASH, INIT]) == (
+        2,
+        SubjectKind.TERMINAL_SHELL,
+    )
 
 
 def test_the_resolver_observes_and_core_decides() -> None:
     """What `Resolver.observe` says of each process is all `core.subject.subject_index`
     is given: judged by the executable the kernel resolved, never the process name."""
     r = Resolver()
-    assert r.observe(SSH) == Observed(name="ssh", ssh=True, wrapper=False, session_host=False)
-    assert r.observe(BASH) == Observed(name="bash", ssh=False, wrapper=True, session_host=False)
-    assert r.observe(TMUX) == Observed(name="tmux", ssh=False, wrapper=False, session_host=True)
-    assert r.observe(proc(1, "")).session_host  # pid 1, whatever its executable
+    assert r.observe(SSH) == Observed(name="ssh", ssh=True, wrapper=False, terminal_host=False)
+    assert r.observe(BASH) == Observed(name="bash", ssh=False, wrapper=True, terminal_host=False)
+    assert r.observe(TMUX) == Observed(name="tmux", ssh=False, wrapper=False, terminal_host=True)
+    assert r.observe(proc(1, "")).terminal_host  # pid 1, whatever its executable
     renamed = proc(700, "/usr/bin/python3", name="ssh")
-    assert r.observe(renamed) == Observed("python3", ssh=False, wrapper=False, session_host=False)
+    assert r.observe(renamed) == Observed("python3", ssh=False, wrapper=False, terminal_host=False)
     assert r.observe(proc(700, "", name="bash")) == Observed("", False, False, False)
 
 
@@ -119,26 +122,26 @@ def test_a_registered_front_acts_for_its_parent_while_it_is_in_the_exec_it_regis
         "/usr/lib/openssh/sshd-session",  # OpenSSH >= 9.8
     ],
 )
-def test_editors_and_consoles_that_host_terminals_are_session_hosts(exe: str) -> None:
+def test_editors_and_consoles_that_host_terminals_are_terminal_hosts(exe: str) -> None:
     """Each of these runs many windows, each with its own shell: approving one
     window must not approve the others."""
     shell = proc(700, "/usr/bin/bash")
     assert Resolver().subject_index([PROXY, SSH, shell, proc(600, exe), INIT]) == (
         2,
-        SubjectKind.SESSION_SHELL,
+        SubjectKind.TERMINAL_SHELL,
     )
 
 
 @pytest.mark.parametrize("exe", ["/usr/bin/emacsclient", "/usr/bin/node", "/usr/bin/vimtutor"])
 def test_a_glob_matches_whole_names_only(exe: str) -> None:
-    assert name_matcher(DEFAULT_SESSION_HOSTS).match(exe.rsplit("/", 1)[-1]) is None
+    assert name_matcher(DEFAULT_TERMINAL_HOSTS).match(exe.rsplit("/", 1)[-1]) is None
     assert Resolver().subject_index([PROXY, SSH, proc(600, exe), INIT]) == (2, SubjectKind.PROCESS)
 
 
-def test_session_hosts_given_at_start_may_be_globs() -> None:
-    resolver = Resolver(session_hosts=DEFAULT_SESSION_HOSTS | {"my-term-*"})
+def test_terminal_hosts_given_at_start_may_be_globs() -> None:
+    resolver = Resolver(terminal_hosts=DEFAULT_TERMINAL_HOSTS | {"my-term-*"})
     chain = [PROXY, SSH, BASH, proc(600, "/opt/my-term-2/my-term-2.1"), INIT]
-    assert resolver.subject_index(chain) == (2, SubjectKind.SESSION_SHELL)
+    assert resolver.subject_index(chain) == (2, SubjectKind.TERMINAL_SHELL)
 
 
 def test_a_start_time_survives_a_wall_clock_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from bastion.core.subject import (
 
 
 def seen(name: str, wrapper: bool = False, host: bool = False) -> Observed:
-    return Observed(name=name, ssh=name == "ssh", wrapper=wrapper, session_host=host)
+    return Observed(name=name, ssh=name == "ssh", wrapper=wrapper, terminal_host=host)
 
 
 PROXY, SSH = seen("python3.11"), seen("ssh")
@@ -30,34 +30,34 @@ AGENT, TMUX, INIT = seen("node"), seen("tmux", host=True), seen("init", host=Tru
     [
         ([PROXY, SSH, AGENT, SHELL, TMUX, INIT], (2, SubjectKind.PROCESS)),
         ([PROXY, SSH, SHELL, ENV, AGENT, TMUX, INIT], (4, SubjectKind.PROCESS)),
-        ([PROXY, SSH, SHELL, TMUX, INIT], (2, SubjectKind.SESSION_SHELL)),
-        ([PROXY, SSH, SHELL, ENV, INIT], (3, SubjectKind.SESSION_SHELL)),
+        ([PROXY, SSH, SHELL, TMUX, INIT], (2, SubjectKind.TERMINAL_SHELL)),
+        ([PROXY, SSH, SHELL, ENV, INIT], (3, SubjectKind.TERMINAL_SHELL)),
         ([PROXY, SSH, seen("ssh"), SHELL, INIT], (2, SubjectKind.PROCESS)),
         ([AGENT, SHELL, INIT], (0, SubjectKind.PROCESS)),
-        ([SHELL, TMUX], (0, SubjectKind.SESSION_SHELL)),
+        ([SHELL, TMUX], (0, SubjectKind.TERMINAL_SHELL)),
     ],
     ids=[
         "the first program above ssh",
         "past shells and wrappers",
-        "the pane's shell below a session host",
+        "the pane's shell below a terminal host",
         "the last wrapper below init",
         "only the first ssh starts the walk",
         "no ssh: the walk starts at the peer",
         "no ssh, a shell in tmux",
     ],
 )
-def test_the_subject_is_above_ssh_past_wrappers_and_below_session_hosts(
+def test_the_subject_is_above_ssh_past_wrappers_and_below_terminal_hosts(
     chain: list[Observed], found: tuple[int, SubjectKind]
 ) -> None:
     assert subject_index(chain) == found
 
 
 @pytest.mark.parametrize("host", [TMUX, INIT, seen("", host=True)])
-def test_ssh_started_by_a_session_host_is_refused_with_its_name(host: Observed) -> None:
+def test_ssh_started_by_a_terminal_host_is_refused_with_its_name(host: Observed) -> None:
     found = subject_index([PROXY, SSH, host, INIT])
     assert isinstance(found, NoSubject)
     assert found.reason == (
-        f"ssh was started directly by {host.name or 'pid 1'}, a session host: there is no "
+        f"ssh was started directly by {host.name or 'pid 1'}, a terminal host: there is no "
         "agent process to approve; run ssh from the agent (or a shell) instead"
     )
 
@@ -71,9 +71,9 @@ def test_a_chain_that_ends_before_a_subject_is_refused(chain: list[Observed]) ->
     assert subject_index(chain) == NoSubject("no process above the ssh client could be identified")
 
 
-def test_a_session_host_wins_over_being_a_wrapper() -> None:
-    both = Observed(name="tmux", ssh=False, wrapper=True, session_host=True)
-    assert subject_index([PROXY, SSH, SHELL, both]) == (2, SubjectKind.SESSION_SHELL)
+def test_a_terminal_host_wins_over_being_a_wrapper() -> None:
+    both = Observed(name="tmux", ssh=False, wrapper=True, terminal_host=True)
+    assert subject_index([PROXY, SSH, SHELL, both]) == (2, SubjectKind.TERMINAL_SHELL)
     assert isinstance(subject_index([PROXY, SSH, both]), NoSubject)
 
 
