@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bastion.core.cards import Card, make_card
-from bastion.core.contract import Code, Failure
+from bastion.core.contract import Code, Failure, Refusal
 from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_PENDING_CARDS_PER_TENANT, MAX_ROUNDS
 from bastion.core.events import (
     CAUSE_KILLED,
@@ -54,6 +54,7 @@ from bastion.core.gate import (
     unanswered,
 )
 from bastion.core.policy import Account, Host
+from bastion.core.refusals import not_started
 from bastion.core.subject import Peer, Subject
 from bastion.gateway.admission import Admission, Busy
 from bastion.gateway.approvals import ApprovalBook
@@ -404,6 +405,8 @@ class Service:
                 certify=certify,
                 prepare=intent.prepare if self.witnessed is not None else None,
             )
+        except Refusal as refused:  # nothing was sent: journaled `not_started`, as before
+            result = not_started(refused)
         finally:
             self.inflight.pop(req.request_id, None)
         if result.outcome is Outcome.UNKNOWN and flight.killed:
