@@ -197,7 +197,7 @@ class Observed(enum.Enum):
 
     GATEWAY_UNUSABLE = "gateway_unusable"  # the gateway could not be asked, or answered nonsense
     GATEWAY_SLOW = "gateway_slow"  # the gateway did not answer in time; nothing was sent
-    GATEWAY_SAID_NO = "gateway_said_no"  # the gateway answered a question with ERR
+    GATEWAY_DECLINED = "gateway_declined"  # the gateway answered a question with ERR
     ARGUMENT = "argument"  # a model's argument that cannot be sent; nothing was
     HELPER_FAILED = "helper_failed"  # the helper itself, or ssh before the gateway, failed
     STILL_HELD = "still_held"  # the call's time ran out; the gateway still holds the command
@@ -206,7 +206,7 @@ class Observed(enum.Enum):
 AGENT_SIDE: dict[Observed, Code] = {
     Observed.GATEWAY_UNUSABLE: Code.INTERNAL,
     Observed.GATEWAY_SLOW: Code.GATEWAY_BUSY,
-    Observed.GATEWAY_SAID_NO: Code.INTERNAL,
+    Observed.GATEWAY_DECLINED: Code.INTERNAL,
     Observed.ARGUMENT: Code.UNSUPPORTED_REQUEST,
     Observed.HELPER_FAILED: Code.INTERNAL,
     Observed.STILL_HELD: Code.STATUS_UNKNOWN,
