@@ -8,7 +8,7 @@ helpers an `Observed`) with the words that describe it, and this module returns
 the `Refusal` (or the error object, or the `Result` after the exec) with its code
 and its exact message. As OpenSSH's monitor.c lists every request its child may
 make in one table, `SAID` lists every refusal an edge may make; the gate's own
-refusals are in `gate.py` (docs/architecture.md, "What the agent sees").
+refusals are in `gate.py` (docs/architecture.md, "The gate").
 """
 
 from __future__ import annotations
