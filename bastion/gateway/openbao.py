@@ -33,6 +33,7 @@ from bastion.ca import OPENBAO_SECRET, Issued
 from bastion.config import CaConfig
 from bastion.core.certs import CertSpec
 from bastion.core.contract import Refusal
+from bastion.core.errors import BastionError
 from bastion.core.refusals import Fact, refusal
 from bastion.vault import VaultError, VaultLocked
 
@@ -55,7 +56,7 @@ WORKERS = 8
 _REPLY_MAX = 300  # characters of OpenBao's own error words kept in a message
 
 
-class LoginError(ValueError):
+class LoginError(BastionError, ValueError):
     """The sealed OpenBao login is not one of the two shapes; says which fields."""
 
 

@@ -24,6 +24,7 @@ import asyncssh
 
 from bastion.ca import Issued
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
+from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal, rejected
@@ -48,7 +49,7 @@ _CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.T
 REFUSED_RETRIES = 16
 
 
-class _ChannelRefused(Exception):
+class _ChannelRefused(BastionError):
     """The target refused a session channel on a connection that carries others
     (sshd's MaxSessions): another connection may take it."""
 
@@ -132,20 +133,14 @@ class Dispatcher:
         """Log in with the account's vault key, or with `issued`: a fresh key and the
         certificate that lets it run one command."""
         pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+        offered: dict[str, object]  # what the target may refuse, in the refusal's words
         if issued is None:
             login: object = self._vault_key(host, account)
-            denied = refusal(
-                Fact.KEY_REFUSED, host=host.alias, credential=account.credential, user=account.user
-            )
+            refused, offered = Fact.KEY_REFUSED, {"credential": account.credential}
         else:
             login = (issued.key, issued.certificate)
-            denied = refusal(
-                Fact.CERTIFICATE_REFUSED,
-                host=host.alias,
-                key_id=issued.key_id,
-                serial=issued.serial,
-                user=account.user,
-            )
+            refused = Fact.CERTIFICATE_REFUSED
+            offered = {"key_id": issued.key_id, "serial": issued.serial}
         client = _Tracked()
         try:
             conn = await asyncio.wait_for(
@@ -180,7 +175,7 @@ class Dispatcher:
                 Fact.HOST_KEY_CHANGED, host=host.alias, address=host.address, port=host.port
             ) from exc
         except asyncssh.PermissionDenied as exc:
-            raise denied from exc
+            raise refusal(refused, host=host.alias, user=account.user, **offered) from exc
         except (OSError, TimeoutError, asyncssh.Error) as exc:
             reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
             raise refusal(
