@@ -198,7 +198,7 @@ class Observed(enum.Enum):
     GATEWAY_UNUSABLE = "gateway_unusable"  # the gateway could not be asked, or answered nonsense
     GATEWAY_SLOW = "gateway_slow"  # the gateway did not answer in time; nothing was sent
     GATEWAY_DECLINED = "gateway_declined"  # the gateway answered a question with ERR
-    ARGUMENT = "argument"  # a model's argument that cannot be sent; nothing was
+    ARGUMENT = "argument"  # a model's argument that cannot be used: nothing was sent
     HELPER_FAILED = "helper_failed"  # the helper itself, or ssh before the gateway, failed
     STILL_HELD = "still_held"  # the call's time ran out; the gateway still holds the command
 
