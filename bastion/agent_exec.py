@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bastion.core.contract import Code, Exit
+from bastion.core.contract import NOT_SENT, Code, Exit
+from bastion.core.errors import BastionError
+from bastion.core.refusals import AGENT_SIDE, Observed
 from bastion.proxy import MAX_HEADER, PROTOCOL, connect, reason
 
 # What OpenSSH takes as a destination and a login name, and nothing that ssh could
@@ -39,32 +41,38 @@ KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an ssh past its time
 ASK_TIMEOUT = 10.0
 GATEWAY_EXITS = frozenset(int(e) for e in Exit)  # the gateway ended it: stderr's last line
 SHOWN = 80  # characters of a refused value quoted back
-UNSENT = "Nothing was sent to the target."
 
 
-class AgentError(Exception):
+class AgentError(BastionError):
     """The gateway could not be asked, or its answer is unusable; the message says
-    which. `code` is what the agent is told (bastion.core.contract)."""
+    which. Each class names what it `observed`; `core/refusals.py` chooses the `code`
+    the agent is told."""
 
-    code: ClassVar[Code] = Code.INTERNAL
+    observed: ClassVar[Observed] = Observed.GATEWAY_UNUSABLE
+
+    @property
+    def code(self) -> Code:
+        return AGENT_SIDE[self.observed]
 
 
 class Unsupported(AgentError):
     """Input refused before anything is sent: the message says what is wrong and
     what to send instead. The model's mistake, not a fault of the gateway."""
 
-    code = Code.UNSUPPORTED_REQUEST
+    observed = Observed.ARGUMENT
 
 
 class Busy(AgentError):
     """The gateway did not answer in time (overloaded or stuck): nothing was sent,
     and the same call a little later may work."""
 
-    code = Code.GATEWAY_BUSY
+    observed = Observed.GATEWAY_SLOW
 
 
-class Refused(AgentError):
+class Declined(AgentError):
     """The gateway answered, and the answer was no (an unknown request id, ...)."""
+
+    observed = Observed.GATEWAY_DECLINED
 
 
 def shown(value: str) -> str:
@@ -81,7 +89,7 @@ def name_problem(field: str, value: str, pattern: re.Pattern[str], what: str) ->
         why = "begins with '-', which ssh would read as an option of its own"
     else:
         why = f"is not {what} (letters, digits, '.', '_' and '-' only)"
-    return f"`{field}` {shown(value)} {why}: send {what} as ssh_hosts lists it. {UNSENT}"
+    return f"`{field}` {shown(value)} {why}: send {what} as ssh_hosts lists it. {NOT_SENT}"
 
 
 @dataclass(frozen=True)
@@ -106,18 +114,18 @@ class Command:
         if self.action_key is not None and not ACTION_KEY.fullmatch(self.action_key):
             raise Unsupported(
                 f"`action_key` {shown(self.action_key)} is not an action key: send 1-200 "
-                f"letters, digits and . _ : / + = -, starting with a letter or digit. {UNSENT}"
+                f"letters, digits and . _ : / + = -, starting with a letter or digit. {NOT_SENT}"
             )
         if not self.command.strip():
-            raise Unsupported(f"`command` is empty: send the command to run. {UNSENT}")
+            raise Unsupported(f"`command` is empty: send the command to run. {NOT_SENT}")
         if "\0" in self.command:
             raise Unsupported(
                 "`command` contains a NUL byte, which ssh cannot send: send text without "
-                f"one. {UNSENT}"
+                f"one. {NOT_SENT}"
             )
         if not 0 < self.timeout_s <= 86400:
             raise Unsupported(
-                f"`timeout_s` must be more than 0 and at most 86400 seconds. {UNSENT}"
+                f"`timeout_s` must be more than 0 and at most 86400 seconds. {NOT_SENT}"
             )
         return self
 
@@ -329,7 +337,7 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
         except (TimeoutError, BlockingIOError):  # no answer, or a queue full as long (EAGAIN)
             raise Busy(
                 f"The bastion gateway at {sock_path} did not answer within {ASK_TIMEOUT:g} s "
-                f"(it is overloaded or stuck). {UNSENT} Retry in a moment, and if it persists "
+                f"(it is overloaded or stuck). {NOT_SENT} Retry in a moment, and if it persists "
                 "ask the operator to check `bastion status`."
             ) from None
         except OSError as exc:
@@ -339,7 +347,7 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
             ) from None
     reply = data.decode("utf-8", "replace").strip()
     if not reply.startswith("OK"):
-        raise Refused(reply.removeprefix("ERR").strip() or "the gateway gave no answer")
+        raise Declined(reply.removeprefix("ERR").strip() or "the gateway gave no answer")
     return reply[2:].strip()
 
 

@@ -29,8 +29,9 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 
 from bastion import agent_exec
-from bastion.agent_exec import UNSENT, AgentError, Command, Ran, Refused, Unsupported
-from bastion.core.contract import Code
+from bastion.agent_exec import AgentError, Command, Declined, Ran, Unsupported
+from bastion.core.contract import NOT_SENT
+from bastion.core.refusals import Observed, agent_error, waited_out
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Front:
                 if len(accounts) > 1:
                     raise Unsupported(
                         f"host {host!r} has several accounts ({', '.join(accounts)}): "
-                        f"name one with `user`. {UNSENT}"
+                        f"name one with `user`. {NOT_SENT}"
                     )
                 return accounts[0] if accounts else None
         return None
@@ -89,20 +90,19 @@ def error_result(error: dict[str, Any], extra: dict[str, Any] | None = None) -> 
     )
 
 
-def failure(code: Code, message: str) -> CallToolResult:
-    """An error of this server's own (no request behind it), in the gateway's shape."""
-    return error_result(
-        {"code": code.value, "message": message, "request_id": None, "retryable": code.retryable}
-    )
+def failure(observed: Observed, message: str) -> CallToolResult:
+    """An error of this server's own (no request behind it), in the gateway's shape:
+    this server says what it observed, `core/refusals.py` which code that is."""
+    return error_result(agent_error(observed, message))
 
 
 def internal(message: str) -> CallToolResult:
-    return failure(Code.INTERNAL, message)
+    return failure(Observed.HELPER_FAILED, message)
 
 
 def refused(exc: AgentError) -> CallToolResult:
     """An AgentError as the agent is told it: its code, its sentence."""
-    return failure(exc.code, str(exc))
+    return failure(exc.observed, str(exc))
 
 
 class Server(MCPServer):
@@ -131,7 +131,7 @@ class Server(MCPServer):
             else:  # an unknown tool
                 tools = ", ".join(sorted(t.name for t in await self.list_tools()))
                 message = f"{str(exc).rstrip('.')}. The tools are {tools}."
-            return failure(Code.UNSUPPORTED_REQUEST, f"{message} {UNSENT}")
+            return failure(Observed.ARGUMENT, f"{message} {NOT_SENT}")
 
 
 def outputs(ran: Ran) -> dict[str, Any]:
@@ -171,7 +171,7 @@ async def timed_out(front: Front, cmd: Command, ran: Ran) -> CallToolResult:
         )
         return error_result(
             {
-                "code": state.get("code") or Code.APPROVAL_TIMEOUT.value,
+                "code": waited_out(state.get("code")),
                 "message": f"{where} The command was not sent (it was still waiting for an "
                 f"approval or a free slot); {again}",
                 "request_id": rid,
@@ -183,18 +183,13 @@ async def timed_out(front: Front, cmd: Command, ran: Ran) -> CallToolResult:
         return ok_result(ran, state.get("exit_status"), rid, note=f"{where} It had completed.")
     # In flight: the gateway keeps a command whose agent left running to its end, to
     # record its real outcome -- this call just stops waiting for it.
-    return error_result(
-        {
-            "code": Code.STATUS_UNKNOWN.value,
-            "message": f"{where} bastion still holds the command (running on the target, or "
-            "waiting for an approval) and records how it ends: call request_status with this "
-            "request_id for its outcome, and do not repeat it before then."
-            + ("" if rid else " bastion did not name the request in time."),
-            "request_id": rid,
-            "retryable": Code.STATUS_UNKNOWN.retryable,
-        },
-        outputs(ran),
+    message = (
+        f"{where} bastion still holds the command (running on the target, or waiting for an "
+        "approval) and records how it ends: call request_status with this request_id for its "
+        "outcome, and do not repeat it before then."
+        + ("" if rid else " bastion did not name the request in time.")
     )
+    return error_result(agent_error(Observed.STILL_HELD, message, rid), outputs(ran))
 
 
 def ok_result(
@@ -276,9 +271,7 @@ def build(front: Front) -> MCPServer:
             # ssh's own failure (the remote command's 255 has a request behind it).
             tail = ran.stderr.data.decode("utf-8", "replace").strip().splitlines()[-3:]
             return internal(
-                "ssh failed before reaching the gateway: "
-                + " | ".join(tail)
-                + " Nothing was sent to the target."
+                "ssh failed before reaching the gateway: " + " | ".join(tail) + f" {NOT_SENT}"
             )
         return ok_result(ran, ran.exit_status, state.get("request_id"))
 
@@ -308,14 +301,14 @@ def build(front: Front) -> MCPServer:
     ) -> CallToolResult:
         if not agent_exec.ACTION_KEY.fullmatch(request_id):
             return failure(
-                Code.UNSUPPORTED_REQUEST,
+                Observed.ARGUMENT,
                 f"`request_id` {agent_exec.shown(request_id)} is not a request id: send one "
                 "an ssh_exec result gave (req_...).",
             )
         try:
             doc = await asyncio.to_thread(front.ask, "request", request_id=request_id)
-        except Refused as exc:  # the gateway knows no such request
-            return failure(Code.UNSUPPORTED_REQUEST, f"{exc}: send a request_id ssh_exec gave.")
+        except Declined as exc:  # the gateway knows no such request
+            return failure(Observed.ARGUMENT, f"{exc}: send a request_id ssh_exec gave.")
         except AgentError as exc:
             return refused(exc)
         return CallToolResult(

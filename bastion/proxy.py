@@ -27,7 +27,7 @@ PROTOCOL = b"BASTION/1 "
 MAX_HEADER = 4096
 REPLY_TIMEOUT = 30.0
 # The agent-facing codes this helper ends with: (code, exit status, retryable), as
-# bastion.core.contract's table has them (tests/unit/test_proxy.py holds them to it).
+# bastion.core.contract's table has them (tests/unit/test_contract.py holds them to it).
 INTERNAL = ("INTERNAL", 70, False)
 GATEWAY_BUSY = ("GATEWAY_BUSY", 69, True)
 

@@ -28,9 +28,9 @@ import socket
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from bastion.core.contract import Code
 from bastion.core.events import EventType, bound_action
 from bastion.core.policy import Policy, PolicyError
+from bastion.core.refusals import Fact, answer
 from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.gateway import procs
 from bastion.gateway.admission import Admission, Busy
@@ -178,14 +178,7 @@ def hosts_view(policy: Policy | PolicyError) -> dict[str, Any]:
     and what its rules allow. No address, port, host key or credential: the agent
     names hosts, bastion alone knows where they are and how to get in."""
     if isinstance(policy, PolicyError):
-        error = {
-            "code": Code.POLICY_UNAVAILABLE.value,
-            "message": "The policy is unavailable; the operator must fix it (see `bastion "
-            "status`). Every request is refused until then.",
-            "request_id": None,
-            "retryable": Code.POLICY_UNAVAILABLE.retryable,
-        }
-        return {"ok": False, "error": error}
+        return answer(Fact.POLICY_UNREADABLE)
     return {
         "hosts": [
             {

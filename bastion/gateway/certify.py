@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 
 from bastion.ca import Issued
 from bastion.core.certs import Auth, CertError, cert_spec
-from bastion.core.contract import Code
 from bastion.core.gate import Request
 from bastion.core.policy import Account
-from bastion.gateway.issuer import Issuer, NotIssued
+from bastion.core.refusals import Fact, refusal
+from bastion.gateway.issuer import Issuer
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
 
@@ -62,11 +62,7 @@ class Certifier:
                 self.clock(),
             )
         except CertError as exc:
-            raise NotIssued(
-                Code.UNSUPPORTED_REQUEST,
-                f"No certificate can carry this command for {account.label} ({exc}). "
-                "Nothing was sent.",
-            ) from None
+            raise refusal(Fact.UNCERTIFIABLE, account=account.label, why=exc) from None
         issued = await self.issuer.issue(spec)
         meta = issued.journal_meta()
         try:
@@ -75,11 +71,7 @@ class Certifier:
             )
         except (OSError, JournalError) as exc:
             log.error("%s: could not journal its certificate: %s", request_id, exc)
-            raise NotIssued(
-                Code.INTERNAL,
-                "The gateway could not record the command's certificate durably, so it "
-                "did not use it. Nothing was sent.",
-            ) from None
+            raise refusal(Fact.CERTIFICATE_NOT_JOURNALED) from None
         log.info(
             "%s: certificate serial %d for %s@%s signed by %s (%s)",
             request_id,

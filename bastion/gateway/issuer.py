@@ -4,8 +4,8 @@ Two backends behind one small protocol: the vault's own CA (`bastion ca
 init`), and a team's OpenBao / HashiCorp Vault SSH secrets engine
 (`gateway/openbao.py`). Either way the certificate says what `core/certs.py`
 decided; a backend only chooses the serial and signs. A backend that cannot
-sign raises `NotIssued` with the code and message the agent gets -- and then
-nothing is sent, because without a certificate there is no login.
+sign raises a `Refusal` (`core/refusals.py` words it) -- and then nothing is
+sent, because without a certificate there is no login.
 """
 
 from __future__ import annotations
@@ -18,19 +18,10 @@ from typing import Protocol
 from bastion import ca
 from bastion.ca import Issued
 from bastion.core.certs import CertSpec
-from bastion.core.contract import Code
+from bastion.core.refusals import Fact, refusal
 from bastion.vault import Vault, VaultError, VaultLocked
 
 SERIAL_BLOCK = 256  # serials reserved per vault write; a restart skips the unused rest
-
-
-class NotIssued(Exception):
-    """No certificate for this request; nothing was sent."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Issuer(Protocol):
@@ -42,7 +33,7 @@ class Issuer(Protocol):
         ...
 
     async def issue(self, spec: CertSpec) -> Issued:
-        """Sign `spec` for a fresh key; raises NotIssued."""
+        """Sign `spec` for a fresh key; raises `Refusal`."""
         ...
 
 
@@ -90,21 +81,13 @@ class VaultCA:
     def _sign(self, spec: CertSpec) -> Issued:
         label = self._signing_label()
         if label is None:
-            raise NotIssued(Code.POLICY_UNAVAILABLE, self.problem() or "no CA")
+            raise refusal(Fact.NO_CA, problem=self.problem() or "no CA")
         try:
             return ca.sign(self.vault.private_key(label), spec, self._serial())
         except VaultLocked as exc:
-            raise NotIssued(
-                Code.VAULT_LOCKED,
-                "The credential vault was locked before the command's certificate "
-                "could be signed. It was not queued or sent.",
-            ) from exc
+            raise refusal(Fact.CA_LOCKED) from exc
         except VaultError as exc:
-            raise NotIssued(
-                Code.INTERNAL,
-                f"The vault's CA could not sign the command's certificate ({exc}). "
-                "Nothing was sent.",
-            ) from exc
+            raise refusal(Fact.CA_FAILED, why=exc) from exc
 
     async def issue(self, spec: CertSpec) -> Issued:
         if self._serials:  # no file write this time: sign on the loop (~0.1 ms)

@@ -8,9 +8,9 @@ back is read field by field (`certificate_problem`) and refused unless it says
 exactly what was asked -- a misconfigured role fails closed. `role_problems`
 tells the operator what the role lacks before a request does. The login (a
 token, or an AppRole) is a secret sealed in the vault, never a file or the
-environment. Every failure is `NotIssued`: nothing was sent, and the message
-says what failed and that an operator must fix OpenBao -- never the token,
-never the command.
+environment. Every failure is a `Refusal` (`core/refusals.py` chooses its
+code): nothing was sent, and the message says what failed and that an
+operator must fix OpenBao -- never the token, never the command.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from bastion import ca
 from bastion.ca import OPENBAO_SECRET, Issued
 from bastion.config import CaConfig
 from bastion.core.certs import CertSpec
-from bastion.core.contract import Code
-from bastion.gateway.issuer import NotIssued
+from bastion.core.contract import Refusal
+from bastion.core.errors import BastionError
+from bastion.core.refusals import Fact, refusal
 from bastion.vault import VaultError, VaultLocked
 
 try:  # the `openbao` extra: a gateway with the vault's own CA does without it
@@ -55,7 +56,7 @@ WORKERS = 8
 _REPLY_MAX = 300  # characters of OpenBao's own error words kept in a message
 
 
-class LoginError(ValueError):
+class LoginError(BastionError, ValueError):
     """The sealed OpenBao login is not one of the two shapes; says which fields."""
 
 
@@ -272,8 +273,9 @@ def role_problems(
 # -- the issuer ------------------------------------------------------------------------------
 
 
-def _refused(message: str, code: Code = Code.INTERNAL) -> NotIssued:
-    return NotIssued(code, message)
+def _refused(detail: str) -> Refusal:
+    """OpenBao did not sign (or signed something else): `detail` says what and the fix."""
+    return refusal(Fact.SIGNER_FAILED, detail=detail)
 
 
 class OpenBaoCA:
@@ -301,19 +303,17 @@ class OpenBaoCA:
         key = ca.fresh_key()
         try:
             return await self._bounded(self._issue, spec, key)
-        except NotIssued:
+        except Refusal:
             raise
         except TimeoutError:
-            raise NotIssued(
-                Code.INTERNAL,
+            raise _refused(
                 f"{self.where} did not sign the command's certificate within "
                 f"{self.config.timeout:g} s. {NOTHING_SENT} An operator must check that "
                 "OpenBao is up and reachable from the gateway; a later retry may work.",
             ) from None
         except Exception as exc:  # fail closed on anything unforeseen, e.g. a new hvac
             log.error("signing with %s failed: %s", self.where, type(exc).__name__)
-            raise NotIssued(
-                Code.INTERNAL,
+            raise _refused(
                 f"Signing with {self.where} failed ({type(exc).__name__}). {NOTHING_SENT} "
                 "An operator must read the gateway log and fix OpenBao.",
             ) from exc
@@ -325,7 +325,7 @@ class OpenBaoCA:
             role = await self._bounded(
                 self._call, "read", f"{self.config.mount}/roles/{self.config.role}"
             )
-        except NotIssued as exc:
+        except Refusal as exc:
             return [f"cannot check the OpenBao role: {exc.message}"]
         except Exception as exc:  # a timeout (TimeoutError), or anything unforeseen
             return [f"cannot check the OpenBao role: {self.where}: {type(exc).__name__}"]
@@ -375,7 +375,7 @@ class OpenBaoCA:
         fingerprint, until = cert.signing_key.get_fingerprint("sha256"), spec.valid_before
         return Issued(key, cert, fields.serial, spec.key_id, fingerprint, self.name, until)
 
-    def _bad_certificate(self, what: str) -> NotIssued:
+    def _bad_certificate(self, what: str) -> Refusal:
         return _refused(
             f"{self.where} signed a certificate that does not say what was approved ({what}), "
             f"so the gateway did not use it. {NOTHING_SENT} An operator must fix the role "
@@ -404,11 +404,7 @@ class OpenBaoCA:
         try:
             return parse_login(self.credentials())
         except VaultLocked:
-            raise _refused(
-                "The credential vault is locked, so the gateway cannot log in to OpenBao to "
-                "sign the command's certificate. It was not queued or sent.",
-                Code.VAULT_LOCKED,
-            ) from None
+            raise refusal(Fact.SIGNER_LOCKED) from None
         except VaultError as exc:
             raise _refused(
                 f"The gateway could not read its OpenBao login from the vault ({exc}). "
@@ -447,7 +443,7 @@ class OpenBaoCA:
 
     def _call(self, op: str, path: str, body: dict[str, Any] | None = None, hide: str = "") -> Any:
         """One read or write with the sealed login: an AppRole logs in (again, once, on a
-        403). Every failure is NotIssued, worded without the token or `hide`."""
+        403). Every failure is a `Refusal`, worded without the token or `hide`."""
         client = self._client()
         login = self._login()
         for attempt in (0, 1):

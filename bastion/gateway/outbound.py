@@ -5,9 +5,11 @@ Only this module talks to targets. It trusts exactly one host key per host
 vault, in memory), reads no ssh config, uses no agent and forwards nothing.
 
 Outcomes are classified by what is *known*: before the exec request leaves,
-a failure means nothing ran (`not_started`, and the agent may retry when the
-cause says so); after it, only an exit status or an exit signal from the
-target is an answer -- any other ending is `unknown`.
+a failure means nothing ran, and `Dispatcher.run` raises a `Refusal` (journaled
+`not_started`; the agent may retry when its code says so); after it, `run`
+returns a `Result`, and only an exit status or an exit signal from the target
+is an answer -- any other ending is `unknown`. This module observes what
+happened; `core/refusals.py` chooses the code and the words.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from dataclasses import dataclass
 import asyncssh
 
 from bastion.ca import Issued
-from bastion.core.contract import Code
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
-from bastion.core.events import CAUSE_LOST, Outcome, Result
+from bastion.core.errors import BastionError
+from bastion.core.events import Outcome, Result
 from bastion.core.policy import Account, Host
-from bastion.gateway.issuer import NotIssued
+from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.gateway.pool import Pool
 from bastion.vault import VaultError, VaultLocked
 
@@ -47,18 +49,9 @@ _CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.T
 REFUSED_RETRIES = 16
 
 
-class _ChannelRefused(Exception):
+class _ChannelRefused(BastionError):
     """The target refused a session channel on a connection that carries others
     (sshd's MaxSessions): another connection may take it."""
-
-
-class NotStarted(Exception):
-    """The target was not reached; nothing ran."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class _IntentProcess(asyncssh.SSHClientProcess):  # type: ignore[type-arg]
@@ -124,17 +117,14 @@ class Dispatcher:
         try:
             return self._private_key(account.credential)
         except VaultLocked as exc:
-            raise NotStarted(
-                Code.VAULT_LOCKED,
-                "The credential vault was locked before the "
-                "command could be sent. It was not queued or sent.",
-            ) from exc
+            raise refusal(Fact.KEY_LOCKED) from exc
         except VaultError as exc:
-            raise NotStarted(
-                Code.INTERNAL,
-                f'The policy names credential "{account.credential}" for {account.user}@'
-                f"{host.alias}, but the vault cannot provide it ({exc}). Nothing was sent; an "
-                "operator must add the key (`bastion key import`) or fix the policy.",
+            raise refusal(
+                Fact.KEY_UNAVAILABLE,
+                credential=account.credential,
+                user=account.user,
+                host=host.alias,
+                why=exc,
             ) from exc
 
     async def _connect(
@@ -143,19 +133,14 @@ class Dispatcher:
         """Log in with the account's vault key, or with `issued`: a fresh key and the
         certificate that lets it run one command."""
         pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+        offered: dict[str, object]  # what the target may refuse, in the refusal's words
         if issued is None:
             login: object = self._vault_key(host, account)
-            offered = f'the credential "{account.credential}"'
-            fix = "An operator must install its public key on the target."
+            refused, offered = Fact.KEY_REFUSED, {"credential": account.credential}
         else:
             login = (issued.key, issued.certificate)
-            offered = f"the certificate (key id {issued.key_id}, serial {issued.serial})"
-            fix = (
-                "An operator must make the target trust the CA (`bastion ca public` prints "
-                f'the sshd_config), list "{account.user}" as its principal, and check that '
-                "the account's source_address is the address the target sees the gateway "
-                "connect from."
-            )
+            refused = Fact.CERTIFICATE_REFUSED
+            offered = {"key_id": issued.key_id, "serial": issued.serial}
         client = _Tracked()
         try:
             conn = await asyncio.wait_for(
@@ -186,23 +171,15 @@ class Dispatcher:
                 host.connect_timeout + 1,
             )
         except asyncssh.HostKeyNotVerifiable as exc:
-            raise NotStarted(
-                Code.HOST_KEY_MISMATCH,
-                f'The host key of "{host.alias}" ({host.address}:{host.port}) does not match '
-                "the key pinned in the policy. Do not retry: an operator must check the host "
-                "and update the pin if the change is legitimate.",
+            raise refusal(
+                Fact.HOST_KEY_CHANGED, host=host.alias, address=host.address, port=host.port
             ) from exc
         except asyncssh.PermissionDenied as exc:
-            raise NotStarted(
-                Code.TARGET_AUTH_FAILED,
-                f'"{host.alias}" refused {offered} for user "{account.user}". {fix}',
-            ) from exc
+            raise refusal(refused, host=host.alias, user=account.user, **offered) from exc
         except (OSError, TimeoutError, asyncssh.Error) as exc:
             reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
-            raise NotStarted(
-                Code.UNREACHABLE,
-                f'Could not reach "{host.alias}" at {host.address}:{host.port} ({reason}). '
-                "Nothing ran; it is safe to retry later.",
+            raise refusal(
+                Fact.NETWORK, host=host.alias, address=host.address, port=host.port, why=reason
             ) from exc
         return conn
 
@@ -238,7 +215,11 @@ class Dispatcher:
         `prepare` (a witness must hold the intent) runs once the connection is up and
         before the session channel opens; it refuses by raising too.
         With `certify` (a certificate account) the login is its certificate, on a
-        connection of its own that closes after this one command."""
+        connection of its own that closes after this one command.
+
+        Raises `Refusal` for every ending before the exec request left (the intent's,
+        the signer's and the witness's pass through unchanged); returns the `Result`
+        once it was sent."""
         prepared = prepare or _nothing
         if certify is not None:
             return await self._run_certified(
@@ -260,12 +241,7 @@ class Dispatcher:
 
         why = "open failed"
         for _ in range(REFUSED_RETRIES):
-            try:
-                slot = await self.pool.acquire(key, connect)
-            except NotStarted as exc:
-                return Result(
-                    Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
-                )
+            slot = await self.pool.acquire(key, connect)
             try:
                 await prepared()
                 return await self._exec(host, slot.conn, command, agent, intent, on_exec, abandon)
@@ -276,7 +252,7 @@ class Dispatcher:
                 self.pool.refused(slot)  # its MaxSessions is lower: another connection
             finally:
                 await self.pool.release(slot)
-        return _session_refused(host, why)
+        raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=why)
 
     async def _run_certified(
         self,
@@ -292,17 +268,12 @@ class Dispatcher:
     ) -> Result:
         """No pool: the certificate pins one command, so its connection carries only
         that one, and the key and certificate are dropped with it."""
-        try:
-            conn = await self._connect(host, account, await certify())
-        except (NotStarted, NotIssued) as exc:
-            return Result(
-                Outcome.NOT_STARTED, code=exc.code, message=exc.message, cause=exc.code.value
-            )
+        conn = await self._connect(host, account, await certify())
         try:
             await prepare()
             return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
         except _ChannelRefused as exc:
-            return _session_refused(host, str(exc))
+            raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=str(exc)) from exc
         finally:
             conn.close()
 
@@ -325,17 +296,12 @@ class Dispatcher:
             await proc.redirect(asyncssh.PIPE, asyncssh.PIPE, asyncssh.PIPE)
         except asyncssh.ChannelOpenError as exc:
             if exc.code == asyncssh.OPEN_REQUEST_SESSION_FAILED:
-                return Result(
-                    Outcome.REMOTE_REJECTED,
-                    code=Code.UNREACHABLE,
-                    message=f'"{host.alias}" refused to start the command; it did not run.',
-                    cause="exec_refused",
-                )
+                return rejected(host.alias)
             # The channel itself was refused, before the intent: nothing was decided
             # or sent. sshd says "open failed" when MaxSessions is reached.
             raise _ChannelRefused(exc.reason) from exc
         except (OSError, asyncssh.Error) as exc:
-            return _unknown(host, f"the connection failed while the command was sent: {exc}")
+            return lost(host.alias, f"the connection failed while the command was sent: {exc}")
         on_exec(proc)
         relay = asyncio.ensure_future(_relay(host, proc, agent))
         if abandon is None:
@@ -352,7 +318,7 @@ class Dispatcher:
         # waiting, close our side, and say what is known -- nothing.
         relay.cancel()
         proc.close()
-        return _unknown(host, "the operator ended it before the target reported an exit status")
+        return lost(host.alias, "the operator ended it before the target reported an exit status")
 
 
 async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Streams) -> Result:
@@ -395,36 +361,15 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
         )
         await proc.wait_closed()
     except (OSError, asyncssh.Error) as exc:
-        return _unknown(host, f"the connection to the target was lost ({exc})")
+        return lost(host.alias, f"the connection to the target was lost ({exc})")
     finally:
         feeder.cancel()
     if proc.exit_signal is not None:
         return Result(Outcome.SIGNALLED, signal=proc.exit_signal)
     if proc.exit_status is not None:  # None: the channel closed without one
         return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
-    return _unknown(host, "the connection to the target ended before it reported an exit status")
+    return lost(host.alias, "the connection to the target ended before it reported an exit status")
 
 
 async def _nothing() -> None:
     """No step before the session channel opens (no witness to wait for)."""
-
-
-def _session_refused(host: Host, why: str) -> Result:
-    """The target refused a session channel (sshd's MaxSessions): nothing ran."""
-    return Result(
-        Outcome.NOT_STARTED,
-        code=Code.UNREACHABLE,
-        message=f'"{host.alias}" refused a new session ({why}); nothing ran. '
-        "It is safe to retry later.",
-        cause="session_refused",
-    )
-
-
-def _unknown(host: Host, why: str) -> Result:
-    return Result(
-        Outcome.UNKNOWN,
-        cause=CAUSE_LOST,
-        code=Code.STATUS_UNKNOWN,
-        message=f'The command was sent to "{host.alias}" but {why}. It may or may not have run: '
-        "inspect the target before retrying.",
-    )

@@ -58,6 +58,7 @@ from bastion.core.gate import (
     unanswered,
 )
 from bastion.core.policy import Account, Host
+from bastion.core.refusals import not_started
 from bastion.core.subject import Peer, Subject
 from bastion.gateway.actions import ActionKeys
 from bastion.gateway.admission import Admission, Busy
@@ -435,9 +436,7 @@ class Service:
             if refused is intent.refusal:  # the gate, the journal or the witness said no
                 return self._denied(conn, req, refused.failure(req.request_id))
             # Ended before the exec request left (connect, credential, certificate).
-            result = Result(
-                Outcome.NOT_STARTED, code=refused.code, message=refused.message, cause=refused.cause
-            )
+            result = not_started(refused)
             self.recorder.outcome(req.request_id, result)
             if req.action is not None:
                 self.actions.outcome(req.action, req.request_id, result.outcome)

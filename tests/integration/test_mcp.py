@@ -195,11 +195,11 @@ def test_the_agent_socket_answers_only_the_questions_it_knows(bastion: Bastion) 
     from bastion import agent_exec
 
     sock = bastion.home.agent_socket
-    with pytest.raises(agent_exec.Refused, match="malformed query"):
+    with pytest.raises(agent_exec.Declined, match="malformed query"):
         agent_exec.ask(sock, {"query": "keys"})
-    with pytest.raises(agent_exec.Refused, match="no request req_nope"):
+    with pytest.raises(agent_exec.Declined, match="no request req_nope"):
         agent_exec.ask(sock, {"query": "request", "request_id": "req_nope"})
-    with pytest.raises(agent_exec.Refused, match="malformed registration"):
+    with pytest.raises(agent_exec.Declined, match="malformed registration"):
         agent_exec._converse(sock, {"register": "subject"}, 4096)
     assert agent_exec.ask(sock, {"query": "hosts"})["hosts"][0]["host"] == "web1"
 

@@ -155,7 +155,7 @@ def test_no_other_argument_becomes_an_option(bastion: Bastion, traps: Traps) -> 
     assert r["structured"]["stdout"] == "ran\n", r
     assert r["structured"]["request_id"]  # the front found its request by that very key
     # ... which belongs to the process that sent it: another one learns nothing by it.
-    with pytest.raises(agent_exec.Refused, match="no request with that action key"):
+    with pytest.raises(agent_exec.Declined, match="no request with that action key"):
         agent_exec.ask(bastion.home.agent_socket, {"query": "request", "action_key": key})
     # Refused before ssh starts, saying which argument: option-shaped action keys and
     # values of the wrong type.

@@ -9,7 +9,7 @@ and used with the real ssh client against the fixture's sshd, which trusts only 
 CA and no plain key, so sshd itself shows it runs the approved command and nothing else.
 OpenBao's file audit device must show each signing with the request id. Every way signing
 can fail (OpenBao gone or frozen, a role that refuses, a role that silently adds to the
-certificate, a certificate without force-command, no or bad login) must be `NotIssued`
+certificate, a certificate without force-command, no or bad login) must be a `Refusal`
 with a message that says nothing was sent and what an operator must fix -- and holds
 neither the token nor the command.
 """
@@ -32,10 +32,9 @@ import pytest
 from bastion.ca import OPENBAO_SECRET, Issued
 from bastion.config import CaConfig
 from bastion.core.certs import CertSpec, cert_spec
-from bastion.core.contract import Code
+from bastion.core.contract import Code, Refusal
 from bastion.devtools.openbao import OpenBao, bao_available, sign_policy
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
-from bastion.gateway.issuer import NotIssued
 from bastion.gateway.openbao import WORKERS, Login, OpenBaoCA, certificate_problem
 from bastion.vault import Vault
 from tests.harness import wait_for
@@ -126,8 +125,8 @@ def _issue(backend: OpenBaoCA, spec: CertSpec) -> Issued:
     return asyncio.run(backend.issue(spec))
 
 
-def _refusal(backend: OpenBaoCA, spec: CertSpec) -> NotIssued:
-    with pytest.raises(NotIssued) as caught:
+def _refusal(backend: OpenBaoCA, spec: CertSpec) -> Refusal:
+    with pytest.raises(Refusal) as caught:
         _issue(backend, spec)
     return caught.value
 
@@ -259,7 +258,7 @@ def test_a_frozen_openbao_is_internal_within_the_timeout(setup: Setup) -> None:
     assert 1.4 <= took < 3.0, took
     assert len(refusals) == WORKERS + 4
     for refused in refusals:
-        assert isinstance(refused, NotIssued) and refused.code is Code.INTERNAL, refused
+        assert isinstance(refused, Refusal) and refused.code is Code.INTERNAL, refused
         assert "in time" in refused.message or "within 1.5 s" in refused.message
         _clean(refused.message, token)
 
@@ -357,7 +356,7 @@ def test_a_certificate_without_force_command_fails_the_check(setup: Setup) -> No
 # -- the login ----------------------------------------------------------------------------
 
 
-def _refused_with(setup: Setup, credentials: Callable[[], bytes]) -> NotIssued:
+def _refused_with(setup: Setup, credentials: Callable[[], bytes]) -> Refusal:
     backend = OpenBaoCA(setup.config(), credentials)
     return _refusal(backend, setup.spec("req_login"))
 

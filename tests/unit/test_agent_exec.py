@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from bastion import agent_exec
 from bastion.agent_exec import (
-    GATEWAY_EXITS,
     Busy,
     Command,
     Keeper,
@@ -26,7 +25,7 @@ from bastion.agent_exec import (
     socket_of,
     ssh_argv,
 )
-from bastion.core.contract import CONTRACT, Code, Exit
+from bastion.core.contract import Code
 
 
 @given(st.lists(st.binary(max_size=300), max_size=20), st.integers(2, 64))
@@ -127,11 +126,6 @@ def test_the_stock_ssh_reads_an_option_shaped_command_as_the_command(
     assert "proxycommand /bin/true %h" in new and "\nuser deploy\n" in new, new
     old = parsed([a for a in argv if a != "--"])
     assert "proxycommand /bin/true %h" not in old or "\nuser deploy\n" not in old, old
-
-
-def test_gateway_exits_are_the_contracts() -> None:
-    """The statuses after which stderr's last line is the gateway's: every `Exit`."""
-    assert GATEWAY_EXITS == {int(e) for e in Exit} == {int(s) for s, _ in CONTRACT.values()}
 
 
 def test_a_gateway_that_does_not_answer_is_busy(

@@ -24,7 +24,7 @@ from bastion.core.policy import (
     entry_digest,
     parse_policy_text,
 )
-from bastion.gateway.issuer import SERIAL_BLOCK, NotIssued, VaultCA
+from bastion.gateway.issuer import SERIAL_BLOCK, VaultCA
 from bastion.vault import Vault, VaultError
 
 PW = b"pw"
@@ -206,7 +206,7 @@ def test_the_vault_ca_signs_with_the_newest_ca_and_serials_never_repeat(vault: V
     issuer = VaultCA(vault)
     assert issuer.problem() is not None and "bastion ca init" in issuer.problem()  # type: ignore[operator]
     spec = cert_spec("req_1", "deploy", b"uptime", ("127.0.0.1/32",), 60, 1_700_000_000)
-    with pytest.raises(NotIssued) as refused:
+    with pytest.raises(Refusal) as refused:
         asyncio.run(issuer.issue(spec))
     assert refused.value.code is Code.POLICY_UNAVAILABLE
     ca.init(vault)
@@ -231,14 +231,14 @@ def test_a_locked_vault_signs_nothing(vault: Vault) -> None:
     issuer = VaultCA(vault)
     vault.lock()
     spec = cert_spec("req_1", "deploy", b"uptime", ("127.0.0.1/32",), 60, 1_700_000_000)
-    with pytest.raises(NotIssued) as refused:
+    with pytest.raises(Refusal) as refused:
         asyncio.run(issuer.issue(spec))
     assert refused.value.code is Code.VAULT_LOCKED
 
 
 def test_a_certificate_the_journal_cannot_record_is_never_handed_out(vault: Vault) -> None:
     """`certificate_issued` is fsynced before the login: if it cannot be written, the
-    signed certificate goes nowhere (the dispatcher gets NotIssued, INTERNAL)."""
+    signed certificate goes nowhere (the dispatcher gets a Refusal, INTERNAL)."""
     from bastion.core.events import EventType
     from bastion.gateway.certify import Certifier
     from bastion.gateway.recorder import Recorder
@@ -249,7 +249,7 @@ def test_a_certificate_the_journal_cannot_record_is_never_handed_out(vault: Vaul
     text = policy('auth = "certificate"\nsource_address = ["127.0.0.1"]')
     account = parse_policy_text(text, "p.toml")["web1"].accounts[0]
     certifier = Certifier(VaultCA(vault), Recorder(journal.writer("boot_1")))
-    with pytest.raises(NotIssued) as refused:
+    with pytest.raises(Refusal) as refused:
         asyncio.run(certifier.issue("req_1", account, b"uptime"))
     assert refused.value.code is Code.INTERNAL
     assert "could not record the command's certificate" in refused.value.message

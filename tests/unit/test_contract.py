@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
+from bastion import proxy
+from bastion.agent_exec import GATEWAY_EXITS
 from bastion.core.contract import CONTRACT, Code, Exit, Failure
+from bastion.core.refusals import AGENT_SIDE, agent_error
 
 
 def test_every_code_is_distinct_and_in_the_table() -> None:
@@ -46,3 +51,74 @@ def test_failure_line_is_one_json_object_with_the_contract_keys() -> None:
             "reauth_reason": "revoked",
         },
     }
+
+
+# -- who may choose a code ------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[2] / "bastion"
+CODE_VALUES = {c.value for c in Code}
+# Modules outside core/ that may name a code, and why: as few as can be.
+MAY_NAME_CODES: dict[str, str] = {
+    # Standard library only and run by path with -I -S: it cannot import the table,
+    # so its two endings are written out and held to it below.
+    "bastion/proxy.py": "the proxy cannot import bastion",
+}
+
+
+def codes_named(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """Where a module names a contract code: `Code.X` (or `contract.Code.X`), or a
+    code's value as a string of its own."""
+    rel = path.relative_to(root).as_posix()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in Code.__members__:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+            if name == "Code":
+                found.append(f"{rel}:{node.lineno}: Code.{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in CODE_VALUES:
+            found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_codes_are_chosen_only_in_the_core() -> None:
+    """An edge observes and calls the core (core/refusals.py, the gate); it never picks
+    the code an agent is told on its own judgement. Lists every offending file:line."""
+    offending = [
+        where
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "core"
+        and path.relative_to(PACKAGE.parent).as_posix() not in MAY_NAME_CODES
+        for where in codes_named(path)
+    ]
+    assert offending == [], "\n".join(offending)
+
+
+def test_the_grep_sees_every_spelling(tmp_path: Path) -> None:
+    probe = tmp_path / "bastion" / "edge.py"
+    probe.parent.mkdir()
+    probe.write_text(
+        "from x import Code, contract\n"
+        "a = Code.INTERNAL\n"
+        "b = contract.Code.UNREACHABLE\n"
+        'c = "GATEWAY_BUSY"\n'
+        'd = ("INTERNALS", "STATUS_UNKNOWN means", Other.INTERNAL)\n'
+    )
+    assert codes_named(probe, tmp_path) == [
+        "bastion/edge.py:2: Code.INTERNAL",
+        "bastion/edge.py:3: Code.UNREACHABLE",
+        "bastion/edge.py:4: 'GATEWAY_BUSY'",
+    ]
+
+
+# -- the agent side's numbers are the table's ------------------------------------------------
+
+
+def test_the_agent_sides_numbers_are_the_contracts() -> None:
+    """proxy.py may import nothing of bastion's; agent_exec and mcp_front import the
+    table. Either way the codes, statuses and flags an agent reads are these."""
+    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
+        assert CONTRACT[Code(code)] == (status, retryable), code
+    assert GATEWAY_EXITS == {int(e) for e in Exit} == {int(s) for s, _ in CONTRACT.values()}
+    for observed, code in AGENT_SIDE.items():
+        assert agent_error(observed, "m")["retryable"] is code.retryable, observed

@@ -94,3 +94,56 @@ def test_a_gateway_that_is_not_running_or_talks_nonsense_is_internal(
         result = asyncio.run(both())
     error = result.structured_content["error"]
     assert error["code"] == "INTERNAL" and "not a JSON object" in error["message"], error
+
+
+class Answers:
+    """A front whose gateway answers every `request` question with `state`."""
+
+    def __init__(self, state: dict[str, Any] | None) -> None:
+        self.state = state
+
+    def ask(self, query: str, **fields: str) -> dict[str, Any]:
+        if self.state is None:
+            raise mcp_front.AgentError("no gateway")
+        return self.state
+
+
+def timed_out(state: dict[str, Any] | None) -> dict[str, Any]:
+    from bastion.agent_exec import Command, Kept, Ran
+
+    empty = Kept(b"", b"", 0)
+    ran = Ran(empty, empty, None, None, True, "k1")
+    cmd = Command("web1", "sleep 9", timeout_s=2)
+    result = asyncio.run(mcp_front.timed_out(Answers(state), cmd, ran))  # type: ignore[arg-type]
+    assert result.is_error, result
+    return result.structured_content["error"]
+
+
+WHERE = "`timeout_s` (2 s) ran out and bastion's MCP server ended the ssh call."
+
+
+def test_a_call_that_timed_out_waiting_keeps_the_journals_code_or_is_approval_timeout() -> None:
+    busy = timed_out({"state": "retry_safe", "code": "GATEWAY_BUSY", "request_id": "req_1"})
+    assert busy == {
+        "code": "GATEWAY_BUSY",
+        "message": f"{WHERE} The command was not sent (it was still waiting for an approval or "
+        "a free slot); the same call may be repeated, with a longer timeout_s if needed.",
+        "request_id": "req_1",
+        "retryable": True,
+    }
+    waiting = timed_out({"state": "denied", "request_id": "req_2"})
+    assert (waiting["code"], waiting["retryable"]) == ("APPROVAL_TIMEOUT", False)
+
+
+def test_a_call_that_timed_out_while_the_gateway_holds_it_is_status_unknown() -> None:
+    """Said the same since issue 12; its code now chosen in core/refusals.py."""
+    held = timed_out(None)
+    assert held == {
+        "code": "STATUS_UNKNOWN",
+        "message": f"{WHERE} bastion still holds the command (running on the target, or "
+        "waiting for an approval) and records how it ends: call request_status with this "
+        "request_id for its outcome, and do not repeat it before then. bastion did not name "
+        "the request in time.",
+        "request_id": None,
+        "retryable": False,
+    }

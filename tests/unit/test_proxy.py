@@ -37,12 +37,6 @@ def test_read_reply_stops_at_close() -> None:
         t.join(5)
 
 
-def test_the_proxys_endings_are_the_contracts() -> None:
-    """proxy.py may import nothing of bastion's: its codes are tied to the table here."""
-    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
-        assert CONTRACT[Code(code)] == (status, retryable), code
-
-
 # -- each way the proxy ends before SSH, run in this process against fake gateways --------
 
 
