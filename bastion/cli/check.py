@@ -27,7 +27,7 @@ from bastion.cli.completion import complete_account, complete_host
 
 def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[str, Any]:
     """The policy's verdict as data (also what `--json` prints)."""
-    from bastion.core.gate import assess, validate_command
+    from bastion.core.gate import assess, malformed, policy_unavailable, validate_command
     from bastion.core.options import warnings
     from bastion.core.policy import PolicyError
     from bastion.policy_files import load_policy_dir
@@ -48,11 +48,11 @@ def verdict_of(policy_dir: Path, host: str, user: str, command: bytes) -> dict[s
     }
     problem = validate_command(command)
     if problem is not None:
-        return {**out, "code": "UNSUPPORTED_REQUEST", "reason": problem}
+        return {**out, "code": malformed(problem).code.value, "reason": problem}
     try:
         policy = load_policy_dir(policy_dir)
     except PolicyError as exc:
-        return {**out, "code": "POLICY_UNAVAILABLE", "reason": str(exc)}
+        return {**out, "code": policy_unavailable().code.value, "reason": str(exc)}
     judged = assess(policy, host, user, command)
     if judged.account is not None:
         account = judged.account

@@ -43,10 +43,11 @@ class BastionError(Exception):
         ├── agent_exec.AgentError -- the agent-side client could not get a usable answer
         │   ├── agent_exec.Unsupported -- the model's input, refused before asking
         │   ├── agent_exec.Busy -- the gateway did not answer in time
-        │   └── agent_exec.Declined -- the gateway said no (today `Refused`; name guessed)
+        │   └── agent_exec.Declined -- the gateway said no
         ├── cli.export.ReaderGone -- whoever read the export closed it
         ├── cli.export.Away -- the gateway is not there yet; asking again may work
         ├── cli.export.ExportAborted -- the export stops; asking again will not help
+        ├── gateway.admission.NoSlot -- no in-flight slot freed up within the wait
         ├── gateway.agent_ssh.TooManyConnections -- a tenant, or all agents, hold their share
         ├── gateway.approvals.CardError -- an operator answer that cannot be applied
         ├── gateway.export.StreamStopped -- the gateway ends an export stream

@@ -337,8 +337,22 @@ def unsupported(req: Request, world: World) -> str | None:
         return CONTROL_MASTER
     problem = validate_command(req.command)
     if problem is not None:
-        return f"Refused: {problem}. {NOT_SENT}"
+        return malformed(problem).message
     return None
+
+
+def malformed(problem: str) -> Refusal:
+    """A command that cannot be run exactly as decided (`validate_command`)."""
+    return Refusal(Code.UNSUPPORTED_REQUEST, f"Refused: {problem}. {NOT_SENT}")
+
+
+def policy_unavailable() -> Refusal:
+    """No policy loaded: no positive work."""
+    return Refusal(
+        Code.POLICY_UNAVAILABLE,
+        "The gateway's policy could not be loaded, so no command can be authorised. "
+        f"An operator must fix the policy files. {NOT_SENT}",
+    )
 
 
 def intake(req: Request, world: World) -> Refusal | None:
@@ -387,11 +401,7 @@ def evaluate(req: Request, world: World) -> Verdict:
         return refused
     # 5. No positive work without a valid policy.
     if isinstance(world.policy, PolicyError):
-        return Refusal(
-            Code.POLICY_UNAVAILABLE,
-            "The gateway's policy could not be loaded, so no command can be authorised. "
-            f"An operator must fix the policy files. {NOT_SENT}",
-        )
+        return policy_unavailable()
     # 5. Policy: host, account, command (read as argv or shell source).
     judged = assess(world.policy, req.host, req.user, req.command)
     if judged.deny is not None:
@@ -473,7 +483,7 @@ def after_wait(req: Request, world: World, ended: Refusal) -> Refusal:
 
 
 def no_slot(why: str) -> Refusal:
-    """No slot for a decided command freed up within the wait (`admission.Busy`)."""
+    """No slot for a decided command freed up within the wait (`admission.NoSlot`)."""
     return Refusal(
         Code.GATEWAY_BUSY,
         f"The gateway is at its limit of commands at once: {why}. Nothing was sent; "

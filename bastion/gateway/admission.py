@@ -3,7 +3,7 @@
 Past the limit a decided command waits in a queue of its own subject's, and a
 freed slot goes to the subjects in turn (round robin), not to whoever sent the
 most: one busy agent cannot starve the others. A command that waits longer than
-`wait` seconds gets `Busy`, what was observed; the gate words it
+`wait` seconds gets `NoSlot`, what was observed; the gate words it
 (`gate.no_slot`: `GATEWAY_BUSY`, retryable, nothing was sent) unless the world
 as it is now refuses first (`gate.after_wait`). Nothing hangs and nothing is
 lost: a command either gets a slot or that answer, and is journaled either way.
@@ -27,7 +27,7 @@ from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
 from bastion.core.errors import BastionError
 
 
-class Busy(BastionError):
+class NoSlot(BastionError):
     """No slot freed up within the wait; the text says how full the slots were."""
 
 
@@ -37,7 +37,7 @@ class Admission:
     ) -> None:
         self.limit = limit  # None: no limit
         self.wait = wait
-        self.what = what  # what holds the slots, for the `Busy` text
+        self.what = what  # what holds the slots, for the `NoSlot` text
         self.inflight = 0
         self._queues: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._turns: collections.deque[Hashable] = collections.deque()  # subjects, in turn
@@ -71,7 +71,7 @@ class Admission:
                 return  # the slot was handed over as the wait ran out: it is ours
             self._forget(owner, fut)
             self.refused += 1
-            raise Busy(
+            raise NoSlot(
                 f"{self.inflight} {self.what} are in flight (the limit) and {self.waiting()} wait; "
                 f"none finished within {self.wait:g}s"
             ) from None

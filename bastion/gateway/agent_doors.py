@@ -33,7 +33,7 @@ from bastion.core.policy import Policy, PolicyError
 from bastion.core.refusals import Fact, answer
 from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.gateway import procs
-from bastion.gateway.admission import Admission, Busy
+from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.agent_ssh import Doors
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.requests import RequestIndex
@@ -94,7 +94,7 @@ class AgentDoors:
                 except asyncio.CancelledError:
                     await asyncio.wait({done})
                     raise
-        except Busy as busy:
+        except NoSlot as busy:
             raise IdentityError(
                 f"the gateway is busy identifying connections ({busy}); retry in a few seconds"
             ) from None

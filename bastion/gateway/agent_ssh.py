@@ -49,6 +49,7 @@ from typing import Any
 import asyncssh
 
 from bastion.core.contract import Failure
+from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, bound_action
 from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.subject import Peer
@@ -300,7 +301,7 @@ class AgentListener:
             await asyncio.wait_for(loop.sock_sendall(sock, f"ERR {reason}\n".encode()), 5)
 
 
-class TooManyConnections(Exception):
+class TooManyConnections(BastionError):
     """A tenant holds its share of agent connections, or all agents hold the ceiling."""
 
 

@@ -61,7 +61,7 @@ from bastion.core.policy import Account, Host
 from bastion.core.refusals import not_started
 from bastion.core.subject import Peer, Subject
 from bastion.gateway.actions import ActionKeys
-from bastion.gateway.admission import Admission, Busy
+from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.intent import Intent
@@ -275,7 +275,7 @@ class Service:
         try:
             async with self.admission.slot(conn.peer.subject.process_key):
                 return await self.dispatch(conn, req, conversation, decided, streams, arrival)
-        except Busy as busy:
+        except NoSlot as busy:
             now = self.world(req, conn.peer.subject, conversation, decided.command_card, arrival)
             ended = after_wait(req, now, no_slot(str(busy)))
             return self._denied(conn, req, ended.failure(req.request_id))

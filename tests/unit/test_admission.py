@@ -8,7 +8,7 @@ import pytest
 
 from bastion.core.contract import Code
 from bastion.core.gate import no_slot
-from bastion.gateway.admission import Admission, Busy
+from bastion.gateway.admission import Admission, NoSlot
 
 pytestmark = pytest.mark.unit
 
@@ -79,7 +79,7 @@ async def test_a_wait_past_the_bound_is_a_retryable_busy() -> None:
     runs = Runs(a)
     first = runs.start("agent", "c0")
     await settle()
-    with pytest.raises(Busy) as caught:
+    with pytest.raises(NoSlot) as caught:
         async with a.slot("other"):
             pytest.fail("got a slot past the limit")
     failure = no_slot(str(caught.value)).failure("req_1")
@@ -164,7 +164,7 @@ async def test_the_same_fair_slots_hold_identity_walks_per_tenant() -> None:
     held = Runs(short)
     first = held.start("a", "x")
     await settle()
-    with pytest.raises(Busy, match="1 identity walks are in flight"):
+    with pytest.raises(NoSlot, match="1 identity walks are in flight"):
         async with short.slot("b"):
             pytest.fail("got a slot past the limit")
     await held.end("x")
