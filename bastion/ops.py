@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
-from bastion import ca, journal
+from bastion import journal
+from bastion.ca import vault_ca
 from bastion.core import events
 from bastion.core.errors import BastionError
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError, load_private_key_file
@@ -77,20 +78,20 @@ def _text(args: dict[str, Any], name: str) -> str:
 def _ca_algorithm(args: dict[str, Any]) -> str:
     """`ed25519`, `ecdsa`, `rsa` (what `ca init --type` offers) or the SSH name."""
     name = _text(args, "algorithm") or "ssh-ed25519"
-    return ca.CA_TYPES.get(name, name)
+    return vault_ca.CA_TYPES.get(name, name)
 
 
 def _ca_init(vault: Vault, args: dict[str, Any]) -> Any:
-    return asdict(ca.init(vault, _ca_algorithm(args)))
+    return asdict(vault_ca.init(vault, _ca_algorithm(args)))
 
 
 def _ca_public(vault: Vault, args: dict[str, Any]) -> Any:
-    return ca.public(vault.list_keys())
+    return vault_ca.public(vault.list_keys())
 
 
 def _ca_rotate(vault: Vault, args: dict[str, Any]) -> Any:
-    new = ca.rotate(vault, _ca_algorithm(args))
-    older = [k.label for k in ca.authorities(vault.list_keys()) if k.label != new.label]
+    new = vault_ca.rotate(vault, _ca_algorithm(args))
+    older = [k.label for k in vault_ca.authorities(vault.list_keys()) if k.label != new.label]
     return {**asdict(new), "older": older}
 
 
@@ -98,7 +99,7 @@ def _ca_retire(vault: Vault, args: dict[str, Any]) -> Any:
     which = _text(args, "which")
     if not which:
         raise OpsError("name the CA to retire by its label or fingerprint (`bastion ca public`)")
-    return asdict(ca.retire(vault, which))
+    return asdict(vault_ca.retire(vault, which))
 
 
 def openbao_login(args: dict[str, Any]) -> dict[str, str]:
@@ -123,8 +124,8 @@ def openbao_login(args: dict[str, Any]) -> dict[str, str]:
 
 def _ca_openbao_login(vault: Vault, args: dict[str, Any]) -> Any:
     login = openbao_login(args)
-    vault.put_secret(ca.OPENBAO_SECRET, json.dumps(login).encode())
-    return {"sealed": ca.OPENBAO_SECRET, "login": "token" if "token" in login else "approle"}
+    vault.put_secret(vault_ca.OPENBAO_SECRET, json.dumps(login).encode())
+    return {"sealed": vault_ca.OPENBAO_SECRET, "login": "token" if "token" in login else "approle"}
 
 
 # name -> (implementation, needs the vault unlocked)

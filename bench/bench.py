@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from load import bench_sshd  # noqa: E402  (bench/load.py, beside this file)
 
-from bastion import ca  # noqa: E402
+from bastion.ca import vault_ca  # noqa: E402
 from bastion.ops import unlocked  # noqa: E402
 from bastion.vault import Vault  # noqa: E402
 from tests.harness import (  # noqa: E402
@@ -97,8 +97,8 @@ def bench(
             (root / "offbox").mkdir()
             write_bastion_toml(bastion, f'[witness]\nfile = "{root / "offbox" / "w.log"}"\n')
         with unlocked(Vault.open(bastion.home.vault), PASSPHRASE.encode()) as vault:
-            ca.init(vault)
-            sshd.trust_user_cas(ca.public(vault.list_keys())["trusted_user_ca_keys"])
+            vault_ca.init(vault)
+            sshd.trust_user_cas(vault_ca.public(vault.list_keys())["trusted_user_ca_keys"])
         bastion.start_daemon()
         bastion.unlock()
         agent = bastion.agent()

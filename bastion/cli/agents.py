@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from bastion import proxy as proxy_mod
+from bastion.agent import proxy as proxy_mod
 from bastion.cli.common import HOST_KEY_ALIAS, fail, home_of
 from bastion.home import Home
 

@@ -158,10 +158,10 @@ def own_key_labels(home: Home) -> Iterator[Choice]:
 
 def retirable_cas(home: Home) -> Iterator[Choice]:
     """The user CAs `ca retire` accepts: every one but the newest, which signs."""
-    from bastion import ca
+    from bastion.ca import vault_ca
     from bastion.vault import KeyInfo
 
-    cas = ca.authorities([KeyInfo(**k) for k in key_rows(home)])
+    cas = vault_ca.authorities([KeyInfo(**k) for k in key_rows(home)])
     return (Choice(k.label, k.fingerprint) for k in cas[:-1])
 
 

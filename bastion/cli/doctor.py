@@ -42,7 +42,7 @@ def render(checks: Iterable[Check]) -> str:
 def agent_ssh_config(home: Home) -> str:
     """What `bastion ssh-config` prints for this home (without the per-host entries,
     which only add a `User`): the options the agents' ssh client must accept."""
-    from bastion import proxy as proxy_mod
+    from bastion.agent import proxy as proxy_mod
     from bastion.cli.agents import pinned_host_key, ssh_config_text
 
     try:

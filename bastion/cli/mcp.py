@@ -1,4 +1,4 @@
-"""`bastion mcp`: serve the MCP tools on stdio (bastion/mcp_front.py)."""
+"""`bastion mcp`: serve the MCP tools on stdio (bastion/agent/mcp_front.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def mcp(
     and user must be names as ssh_hosts lists them, and the command goes after
     `--` and the destination. A call it refuses is UNSUPPORTED_REQUEST."""
     try:
-        from bastion import agent_exec, mcp_front
+        from bastion.agent import client, mcp_front
     except ImportError as exc:
         fail(f"`bastion mcp` needs the MCP SDK ({exc.name}): pip install 'bastion[mcp]'")
     home = home_of(ctx)
@@ -60,7 +60,7 @@ def mcp(
             ssh_config.write_text(text)
         elif not ssh_config.is_file():
             fail(f"no ssh_config at {ssh_config} (make one with `bastion ssh-config`)")
-        sock = agent_socket or agent_exec.socket_of(ssh_config) or home.agent_socket
+        sock = agent_socket or client.socket_of(ssh_config) or home.agent_socket
         server = mcp_front.build(mcp_front.Front(ssh_config, sock.absolute(), max_output))
         print(f"bastion mcp: serving on stdio; agent socket {sock}", file=sys.stderr)
         server.run("stdio")

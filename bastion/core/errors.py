@@ -40,10 +40,10 @@ class BastionError(Exception):
         │   └── opsock.GatewayNotRunning
         ├── service_unit.UnitError [ValueError] -- an input the systemd unit cannot express
         ├── courier.Undelivered -- a witness delivery failed part way
-        ├── agent_exec.AgentError -- the agent-side client could not get a usable answer
-        │   ├── agent_exec.Unsupported -- the model's input, refused before asking
-        │   ├── agent_exec.Busy -- the gateway did not answer in time
-        │   └── agent_exec.Declined -- the gateway said no
+        ├── agent.client.AgentError -- the agent-side client could not get a usable answer
+        │   ├── agent.client.Unsupported -- the model's input, refused before asking
+        │   ├── agent.client.Busy -- the gateway did not answer in time
+        │   └── agent.client.Declined -- the gateway said no
         ├── cli.export.ReaderGone -- whoever read the export closed it
         ├── cli.export.Away -- the gateway is not there yet; asking again may work
         ├── cli.export.ExportAborted -- the export stops; asking again will not help
@@ -51,7 +51,7 @@ class BastionError(Exception):
         ├── gateway.agent_ssh.TooManyConnections -- a tenant, or all agents, hold their share
         ├── gateway.approvals.CardError -- an operator answer that cannot be applied
         ├── gateway.export.StreamStopped -- the gateway ends an export stream
-        ├── gateway.openbao.LoginError [ValueError] -- a sealed login of neither shape
+        ├── ca.openbao.LoginError [ValueError] -- a sealed login of neither shape
         ├── gateway.outbound._ChannelRefused -- the target refused a channel on a shared connection
         ├── gateway.tenants.RunRefused [ValueError] -- a run that would nest, or one too many
         ├── devtools.openbao.OpenBaoError [RuntimeError]

@@ -189,7 +189,7 @@ def lost(host: str, why: str) -> Result:
     )
 
 
-# -- the agent side: `bastion mcp` and `agent_exec`, which end a call themselves -----------
+# -- the agent side: `bastion mcp` and `agent.client`, which end a call themselves -----------
 
 
 class Observed(enum.Enum):

@@ -48,6 +48,7 @@ from typing import Any
 
 import asyncssh
 
+from bastion.agent.proxy import MAX_HEADER, PROTOCOL
 from bastion.core.contract import Failure
 from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, bound_action
@@ -61,7 +62,6 @@ from bastion.gateway.service import AgentConn, Service, new_request_id
 from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials
 from bastion.opsock import loads_line
-from bastion.proxy import MAX_HEADER, PROTOCOL
 
 log = logging.getLogger("bastion.agent")
 

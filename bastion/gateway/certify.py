@@ -3,7 +3,7 @@
 The certificate is a capability: for `cert_ttl` seconds it lets whoever holds
 its key run the approved command from the gateway's address. So it is made
 only after the gate let the request through, for exactly the bytes decided
-(`core/certs.py`), by whichever backend signs (`gateway/issuer.py`), and it
+(`core/certs.py`), by whichever backend signs (`ca/issuer.py`), and it
 is on disk in the journal -- serial, key id, CA -- before it can leave the
 gateway. The key lives in memory for one connection, then is dropped.
 """
@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from bastion.ca import Issued
+from bastion.ca.issuer import Issuer
+from bastion.ca.vault_ca import Issued
 from bastion.core.certs import Auth, CertError, cert_spec
 from bastion.core.gate import Request
 from bastion.core.policy import Account
 from bastion.core.refusals import Fact, refusal
-from bastion.gateway.issuer import Issuer
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
 

@@ -33,7 +33,8 @@ from typing import Any
 import asyncssh
 
 from bastion import logfmt, memory, opsock, sdnotify
-from bastion.ca import OPENBAO_SECRET
+from bastion.ca.issuer import Issuer, VaultCA
+from bastion.ca.vault_ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import Auth
 from bastion.core.defaults import (
@@ -54,7 +55,6 @@ from bastion.gateway.assembly import build_service
 from bastion.gateway.certify import Certifier
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
-from bastion.gateway.issuer import Issuer, VaultCA
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
@@ -176,7 +176,7 @@ class Gateway:
     def _issuer(self) -> Issuer:
         """Who signs certificate accounts' logins: the vault's CA, or OpenBao."""
         if self.config.ca.backend == "openbao":
-            from bastion.gateway.openbao import OpenBaoCA  # hvac: an optional extra
+            from bastion.ca.openbao import OpenBaoCA  # hvac: an optional extra
 
             return OpenBaoCA(self.config.ca, lambda: self.vault.secret(OPENBAO_SECRET))
         return VaultCA(self.vault)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import asyncssh
 
-from bastion.ca import Issued
+from bastion.ca.vault_ca import Issued
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
 from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result

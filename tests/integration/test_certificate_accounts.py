@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bastion import ca
+from bastion.ca import vault_ca
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates, sshd_available
 from bastion.ops import unlocked
 from bastion.vault import Vault
@@ -43,8 +43,8 @@ def _bastion(
     b = make_bastion(tmp_path, info, client_key, policy_toml(info, **account), start=False)
     if with_ca:
         with unlocked(Vault.open(b.home.vault), PASSPHRASE.encode()) as vault:
-            ca.init(vault)
-            server.trust_user_cas(ca.public(vault.list_keys())["trusted_user_ca_keys"])
+            vault_ca.init(vault)
+            server.trust_user_cas(vault_ca.public(vault.list_keys())["trusted_user_ca_keys"])
     b.start_daemon()
     b.unlock()
     return b
@@ -78,7 +78,7 @@ def test_an_approved_command_runs_with_exact_output_and_sshd_logs_its_request_an
 
     rows = _rows(b)
     assert [r["outcome"] for r in rows] == ["completed", "completed"]
-    signer = ca.public(Vault.open(b.home.vault).list_keys())["authorities"][-1]["fingerprint"]
+    signer = vault_ca.public(Vault.open(b.home.vault).list_keys())["authorities"][-1]["fingerprint"]
     certs = [r["certificate"] for r in rows]
     for row, cert in zip(rows, certs, strict=True):
         assert cert["key_id"] == row["request_id"] and cert["ca"] == signer

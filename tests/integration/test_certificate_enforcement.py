@@ -2,7 +2,7 @@
 2 to 5), with no gateway in the way.
 
 Each certificate here is made by the shipped issuing code (`core.certs.cert_spec`, then
-`ca.sign`) with a test CA that the fixture's sshd trusts, and is used by the real OpenSSH
+`vault_ca.sign`) with a test CA that the fixture's sshd trusts, and is used by the real OpenSSH
 client against a target that has no authorized key at all and allows every forwarding in
 its config. So whatever sshd refuses -- another command, an expired certificate, the
 wrong source address, a pty, a forward, an agent, an untrusted CA -- the certificate
@@ -26,7 +26,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from bastion import ca
+from bastion.ca import vault_ca
 from bastion.core.certs import CertSpec, cert_spec
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
 from bastion.vault import Vault
@@ -90,14 +90,14 @@ class Target:
         return dataclasses.replace(made, **changes)  # type: ignore[arg-type]
 
     def issue(self, ca_key: asyncssh.SSHKey, spec: CertSpec, serial: int) -> Creds:
-        issued = ca.sign(ca_key, spec, serial)
+        issued = vault_ca.sign(ca_key, spec, serial)
         assert issued.key_id == spec.key_id and issued.serial == serial
         return _save(self.dir, f"{spec.key_id}-{serial}", issued.key, issued.certificate)
 
     def issue_permitting(
         self, ca_key: asyncssh.SSHKey, spec: CertSpec, serial: int, permit: str
     ) -> Creds:
-        """The control: what `ca.sign` makes for `spec`, plus the one extension `permit`."""
+        """The control: what `vault_ca.sign` makes for `spec`, plus the one extension `permit`."""
         key = asyncssh.generate_private_key("ssh-ed25519")
         cert = ca_key.generate_user_certificate(
             key,
@@ -463,8 +463,8 @@ def test_the_vault_ca_snippet_is_a_target_ca_file_through_a_rotation(
     target: Target, tmp_path: Path
 ) -> None:
     vault = Vault.create(tmp_path / "vault.json", b"rotation passphrase")
-    first = ca.init(vault)
-    second = ca.rotate(vault)
+    first = vault_ca.init(vault)
+    second = vault_ca.rotate(vault)
     old_creds = target.issue(
         vault.private_key(first.label), target.spec("req_ca1", command="echo one"), serial=91
     )
@@ -473,14 +473,14 @@ def test_the_vault_ca_snippet_is_a_target_ca_file_through_a_rotation(
     )
 
     # The whole `bastion ca public` snippet, comments and all, as the CA file.
-    overlap = ca.public(vault.list_keys())["sshd_config"]
+    overlap = vault_ca.public(vault.list_keys())["sshd_config"]
     assert first.public_key.split()[1] in overlap and second.public_key.split()[1] in overlap
     target.server.trust_user_cas(overlap.splitlines())
     assert target.ssh(old_creds).stdout == "one\n"
     assert target.ssh(new_creds).stdout == "two\n"
 
-    ca.retire(vault, first.label)
-    after = ca.public(vault.list_keys())["sshd_config"]
+    vault_ca.retire(vault, first.label)
+    after = vault_ca.public(vault.list_keys())["sshd_config"]
     assert first.public_key.split()[1] not in after
     target.server.trust_user_cas(after.splitlines())
     refused = target.ssh(old_creds)

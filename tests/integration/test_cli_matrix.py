@@ -471,9 +471,9 @@ def check_key_remove(w: World, r: Out) -> None:
 
 def ca_labels(w: World) -> list[str]:
     """The user CAs on the vault file, oldest first (the last one signs)."""
-    from bastion import ca
+    from bastion.ca import vault_ca
 
-    return [k.label for k in ca.authorities(Vault.open(w.b.home.vault).list_keys())]
+    return [k.label for k in vault_ca.authorities(Vault.open(w.b.home.vault).list_keys())]
 
 
 def check_ca_init(w: World, r: Out) -> None:

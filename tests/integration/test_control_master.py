@@ -24,7 +24,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from bastion import proxy
+from bastion.agent import proxy
 from bastion.gateway.agent_ssh import MAX_EXTRA_SESSIONS
 from tests.harness import (
     HELPER,

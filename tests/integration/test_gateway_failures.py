@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bastion.agent.proxy import REPLY_TIMEOUT
 from bastion.home import Home
-from bastion.proxy import REPLY_TIMEOUT
 from tests.harness import PASSPHRASE, Bastion, bastion_cli
 
 

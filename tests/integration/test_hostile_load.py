@@ -31,7 +31,8 @@ from typing import Any
 import asyncssh
 from asyncssh.packet import Boolean, String, UInt32
 
-from bastion import agent_exec, journal, opsock, proxy
+from bastion import journal, opsock
+from bastion.agent import client, proxy
 from bastion.core.events import EventType
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
 from tests.harness import (
@@ -248,11 +249,11 @@ def test_channel_requests_mid_command_never_disturb_the_relay(
 ASK = """
 import json, sys
 from pathlib import Path
-from bastion import agent_exec
+from bastion.agent import client
 try:
     question = {"query": "request", "action_key": sys.argv[2]}
-    print(json.dumps(agent_exec.ask(Path(sys.argv[1]), question)))
-except agent_exec.AgentError as exc:
+    print(json.dumps(client.ask(Path(sys.argv[1]), question)))
+except client.AgentError as exc:
     print("refused:", exc)
 """
 
@@ -478,7 +479,7 @@ def test_a_request_query_costs_a_lookup_not_a_journal_read(
         began = time.monotonic()
         for i in range(50):
             question = {"query": "request", "request_id": f"req_{9999 - i:016x}"}
-            assert agent_exec.ask(sock, question)["state"] == "denied"
+            assert client.ask(sock, question)["state"] == "denied"
         took = time.monotonic() - began
         print(f"\n50 request queries over a 20,000-record journal: {took:.2f}s")
         assert took < 5, f"50 queries took {took:.1f}s"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion import proxy
+from bastion.agent import proxy
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import Bastion, make_bastion
 

@@ -192,16 +192,16 @@ def test_output_is_bounded_and_progress_is_reported(bastion: Bastion) -> None:
 def test_the_agent_socket_answers_only_the_questions_it_knows(bastion: Bastion) -> None:
     """The doors `bastion mcp` uses are the agent socket's: a malformed or unknown
     question is refused with one line, and a front can register only itself."""
-    from bastion import agent_exec
+    from bastion.agent import client
 
     sock = bastion.home.agent_socket
-    with pytest.raises(agent_exec.Declined, match="malformed query"):
-        agent_exec.ask(sock, {"query": "keys"})
-    with pytest.raises(agent_exec.Declined, match="no request req_nope"):
-        agent_exec.ask(sock, {"query": "request", "request_id": "req_nope"})
-    with pytest.raises(agent_exec.Declined, match="malformed registration"):
-        agent_exec._converse(sock, {"register": "subject"}, 4096)
-    assert agent_exec.ask(sock, {"query": "hosts"})["hosts"][0]["host"] == "web1"
+    with pytest.raises(client.Declined, match="malformed query"):
+        client.ask(sock, {"query": "keys"})
+    with pytest.raises(client.Declined, match="no request req_nope"):
+        client.ask(sock, {"query": "request", "request_id": "req_nope"})
+    with pytest.raises(client.Declined, match="malformed registration"):
+        client._converse(sock, {"register": "subject"}, 4096)
+    assert client.ask(sock, {"query": "hosts"})["hosts"][0]["host"] == "web1"
 
 
 def test_a_policy_broken_when_the_client_starts_stops_nothing_for_long(

@@ -29,13 +29,13 @@ from typing import Any
 import asyncssh
 import pytest
 
-from bastion.ca import OPENBAO_SECRET, Issued
+from bastion.ca.openbao import WORKERS, Login, OpenBaoCA, certificate_problem
+from bastion.ca.vault_ca import OPENBAO_SECRET, Issued
 from bastion.config import CaConfig
 from bastion.core.certs import CertSpec, cert_spec
 from bastion.core.contract import Code, Refusal
 from bastion.devtools.openbao import OpenBao, bao_available, sign_policy
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
-from bastion.gateway.openbao import WORKERS, Login, OpenBaoCA, certificate_problem
 from bastion.vault import Vault
 from tests.harness import wait_for
 

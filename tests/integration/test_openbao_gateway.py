@@ -29,12 +29,12 @@ from typing import Any
 import asyncssh
 import pytest
 
-from bastion.ca import Issued
+from bastion.ca.openbao import Login, OpenBaoCA
+from bastion.ca.vault_ca import Issued
 from bastion.config import CaConfig
 from bastion.core.certs import cert_spec
 from bastion.devtools.openbao import OpenBao, bao_available, sign_policy
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
-from bastion.gateway.openbao import Login, OpenBaoCA
 from tests.harness import (
     PASSPHRASE,
     Bastion,

@@ -29,6 +29,7 @@ import pyte
 import pytest
 
 from bastion import opsock
+from bastion.agent import proxy as proxy_mod
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import (
     PASSPHRASE,
@@ -218,7 +219,7 @@ def test_a_proxy_header_user_and_host_in_the_log_cannot_repaint_the_card(
 
     # The same agent names its target itself: a proxy of its own choosing, whose
     # header says user REPAINT at host PARK. Refused, but logged as it came.
-    proxy = f"{sys.executable} {Path(opsock.__file__).with_name('proxy.py')}"
+    proxy = f"{sys.executable} {Path(proxy_mod.__file__)}"
     forged = f'ProxyCommand={proxy} --socket {b.home.agent_socket} "$EVIL_HOST" %p "$EVIL_USER"'
     other = agent.run(
         "true",

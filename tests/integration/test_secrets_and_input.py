@@ -13,7 +13,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from bastion import proxy
+from bastion.agent import proxy
 from tests.harness import PASSPHRASE, Bastion, secret_needles
 
 

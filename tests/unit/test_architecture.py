@@ -125,9 +125,43 @@ def test_the_core_imports_only_the_standard_library_pure_parts_and_cryptography(
 
 def test_the_proxy_is_standard_library_only() -> None:
     """It runs once per agent ssh call, by path, with -I -S: it must start fast and alone."""
-    for target, line in imports(MODULES["bastion.proxy"]):
+    for target, line in imports(MODULES["bastion.agent.proxy"]):
         top = target.split(".")[0]
         assert top in sys.stdlib_module_names or top == "__future__", f"proxy.py:{line}: {target}"
+
+
+# What the agent's side may use of bastion: the contract's words, the root exception,
+# the refusals' table, and itself. Never the vault, the journal, the CA or the gateway.
+AGENT_SIDE_MAY_IMPORT = (
+    "bastion.agent",
+    "bastion.core.contract",
+    "bastion.core.errors",
+    "bastion.core.refusals",
+)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("bastion.agent")])
+def test_the_agent_side_imports_nothing_that_holds_or_decides(name: str) -> None:
+    """`bastion/agent/` runs as the agent: it holds no key and decides nothing, so it
+    imports none of the code that does (and `mcp_front` only the MCP SDK besides)."""
+    for target, line in imports(MODULES[name]):
+        top = target.split(".")[0]
+        if top in sys.stdlib_module_names or top == "__future__":
+            continue
+        if top in {"mcp", "mcp_types", "pydantic"} and name == "bastion.agent.mcp_front":
+            continue
+        assert target.startswith(AGENT_SIDE_MAY_IMPORT), f"{MODULES[name]}:{line}: {target}"
+
+
+def test_only_the_gateway_and_the_operators_commands_import_the_signers() -> None:
+    """`bastion/ca/` holds signing keys or the login that reaches them."""
+    for name, path in MODULES.items():
+        if name.startswith(("bastion.ca", "bastion.gateway", "bastion.cli")) or name in {
+            "bastion.ops"
+        }:
+            continue
+        for target, line in imports(path):
+            assert not target.startswith("bastion.ca"), f"{path}:{line} imports {target}"
 
 
 def test_the_cli_client_wire_is_standard_library_only() -> None:

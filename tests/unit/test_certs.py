@@ -13,7 +13,8 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from bastion import ca
+from bastion.ca import vault_ca
+from bastion.ca.issuer import SERIAL_BLOCK, VaultCA
 from bastion.core.certs import BACKDATE, Auth, CertError, cert_spec, source_networks
 from bastion.core.contract import Code, Refusal
 from bastion.core.gate import Request, World, evaluate
@@ -24,7 +25,6 @@ from bastion.core.policy import (
     entry_digest,
     parse_policy_text,
 )
-from bastion.gateway.issuer import SERIAL_BLOCK, VaultCA
 from bastion.vault import Vault, VaultError
 
 PW = b"pw"
@@ -81,7 +81,7 @@ def test_sign_makes_a_certificate_with_no_extension_that_ssh_keygen_reads(
 ) -> None:
     authority = asyncssh.generate_private_key("ssh-ed25519")
     spec = cert_spec("req_9", "deploy", b"uptime", ("127.0.0.1/32",), 60, 1_700_000_000)
-    issued = ca.sign(authority, spec, 41)
+    issued = vault_ca.sign(authority, spec, 41)
     path = tmp_path / "c-cert.pub"
     issued.certificate.write_certificate(str(path))
     shown = subprocess.run(
@@ -183,22 +183,24 @@ def vault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Vault:
 
 def test_ca_lifecycle_init_rotate_retire(vault: Vault) -> None:
     with pytest.raises(VaultError, match="ca init"):
-        ca.public(vault.list_keys())
-    first = ca.init(vault)
+        vault_ca.public(vault.list_keys())
+    first = vault_ca.init(vault)
     with pytest.raises(VaultError, match="ca rotate"):
-        ca.init(vault)
-    second = ca.rotate(vault)
-    shown = ca.public(vault.list_keys())
+        vault_ca.init(vault)
+    second = vault_ca.rotate(vault)
+    shown = vault_ca.public(vault.list_keys())
     assert [a["label"] for a in shown["authorities"]] == ["bastion-ca-1", "bastion-ca-2"]
     assert shown["signing"] == second.label
     assert (
         first.public_key.split()[1] in shown["sshd_config"] and "rotation" in shown["sshd_config"]
     )
     with pytest.raises(VaultError, match="signs now"):
-        ca.retire(vault, second.fingerprint)
-    assert ca.retire(vault, first.fingerprint).label == "bastion-ca-1"
-    assert [a["label"] for a in ca.public(vault.list_keys())["authorities"]] == ["bastion-ca-2"]
-    third = ca.rotate(vault)
+        vault_ca.retire(vault, second.fingerprint)
+    assert vault_ca.retire(vault, first.fingerprint).label == "bastion-ca-1"
+    assert [a["label"] for a in vault_ca.public(vault.list_keys())["authorities"]] == [
+        "bastion-ca-2"
+    ]
+    third = vault_ca.rotate(vault)
     assert third.label == "bastion-ca-3"  # numbers are never reused
 
 
@@ -209,10 +211,10 @@ def test_the_vault_ca_signs_with_the_newest_ca_and_serials_never_repeat(vault: V
     with pytest.raises(Refusal) as refused:
         asyncio.run(issuer.issue(spec))
     assert refused.value.code is Code.POLICY_UNAVAILABLE
-    ca.init(vault)
+    vault_ca.init(vault)
     assert issuer.problem() is None
     first = asyncio.run(issuer.issue(spec))
-    rotated = ca.rotate(vault)
+    rotated = vault_ca.rotate(vault)
     second = asyncio.run(issuer.issue(replace(spec, key_id="req_2")))
     assert second.ca == rotated.fingerprint and first.ca != second.ca
     assert (first.serial, second.serial) == (1, 2)
@@ -227,7 +229,7 @@ def test_the_vault_ca_signs_with_the_newest_ca_and_serials_never_repeat(vault: V
 
 
 def test_a_locked_vault_signs_nothing(vault: Vault) -> None:
-    ca.init(vault)
+    vault_ca.init(vault)
     issuer = VaultCA(vault)
     vault.lock()
     spec = cert_spec("req_1", "deploy", b"uptime", ("127.0.0.1/32",), 60, 1_700_000_000)
@@ -244,7 +246,7 @@ def test_a_certificate_the_journal_cannot_record_is_never_handed_out(vault: Vaul
     from bastion.gateway.recorder import Recorder
     from tests.unit.fakes import FakeJournal
 
-    ca.init(vault)
+    vault_ca.init(vault)
     journal = FakeJournal(fail={EventType.CERTIFICATE_ISSUED})
     text = policy('auth = "certificate"\nsource_address = ["127.0.0.1"]')
     account = parse_policy_text(text, "p.toml")["web1"].accounts[0]

@@ -6,8 +6,8 @@ import ast
 import json
 from pathlib import Path
 
-from bastion import proxy
-from bastion.agent_exec import GATEWAY_EXITS
+from bastion.agent import proxy
+from bastion.agent.client import GATEWAY_EXITS
 from bastion.core.contract import CONTRACT, Code, Exit, Failure
 from bastion.core.refusals import AGENT_SIDE, agent_error
 
@@ -61,7 +61,7 @@ CODE_VALUES = {c.value for c in Code}
 MAY_NAME_CODES: dict[str, str] = {
     # Standard library only and run by path with -I -S: it cannot import the table,
     # so its two endings are written out and held to it below.
-    "bastion/proxy.py": "the proxy cannot import bastion",
+    "bastion/agent/proxy.py": "the proxy cannot import bastion",
 }
 
 
@@ -115,7 +115,7 @@ def test_the_grep_sees_every_spelling(tmp_path: Path) -> None:
 
 
 def test_the_agent_sides_numbers_are_the_contracts() -> None:
-    """proxy.py may import nothing of bastion's; agent_exec and mcp_front import the
+    """proxy.py may import nothing of bastion's; agent.client and agent.mcp_front import the
     table. Either way the codes, statuses and flags an agent reads are these."""
     for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
         assert CONTRACT[Code(code)] == (status, retryable), code

@@ -1,4 +1,4 @@
-"""`bastion mcp`'s own errors, in process (bastion/mcp_front.py): whatever the SDK or
+"""`bastion mcp`'s own errors, in process (bastion/agent/mcp_front.py): whatever the SDK or
 this server refuses or trips on reaches the model in the gateway's error shape, with
 a code from the contract and the `retryable` that code has."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bastion import mcp_front
+from bastion.agent import mcp_front
 from bastion.core.contract import Code
 
 
@@ -109,7 +109,7 @@ class Answers:
 
 
 def timed_out(state: dict[str, Any] | None) -> dict[str, Any]:
-    from bastion.agent_exec import Command, Kept, Ran
+    from bastion.agent.client import Command, Kept, Ran
 
     empty = Kept(b"", b"", 0)
     ran = Ran(empty, empty, None, None, True, "k1")

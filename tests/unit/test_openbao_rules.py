@@ -9,9 +9,8 @@ from dataclasses import replace
 import asyncssh
 import pytest
 
-from bastion import ca
-from bastion.core.certs import cert_spec
-from bastion.gateway.openbao import (
+from bastion.ca import vault_ca
+from bastion.ca.openbao import (
     LoginError,
     cert_fields,
     certificate_problem,
@@ -20,6 +19,7 @@ from bastion.gateway.openbao import (
     role_command,
     role_problems,
 )
+from bastion.core.certs import cert_spec
 
 NOW = 1_700_000_000
 SPEC = cert_spec("req_1", "deploy", b"systemctl status nginx", ("10.0.0.2/32",), 60, NOW)
@@ -28,7 +28,7 @@ AUTHORITY = asyncssh.generate_private_key("ssh-ed25519")
 
 def signed(**changes: object) -> tuple[asyncssh.SSHCertificate, asyncssh.SSHKey]:
     """A certificate as a role might sign it: bastion's spec unless changed."""
-    key = ca.fresh_key()
+    key = vault_ca.fresh_key()
     fields = {
         "principals": [SPEC.principal],
         "serial": 5,
@@ -79,7 +79,7 @@ def test_a_certificate_that_says_anything_else_is_refused(
 
 def test_a_certificate_for_another_key_is_refused() -> None:
     cert, _ = signed()
-    problem = certificate_problem(cert, ca.fresh_key(), SPEC, NOW)
+    problem = certificate_problem(cert, vault_ca.fresh_key(), SPEC, NOW)
     assert problem is not None and "another key" in problem
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bastion import proxy
+from bastion.agent import proxy
+from bastion.agent.proxy import read_reply
 from bastion.core.contract import CONTRACT, Code
-from bastion.proxy import read_reply
 
 ARGS = ["web1", "22", "deploy"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import asyncssh
 import pytest
 
-from bastion.agent_exec import AgentError, Busy, Declined, Unsupported
+from bastion.agent.client import AgentError, Busy, Declined, Unsupported
 from bastion.core.contract import Code, Refusal
 from bastion.core.events import CAUSE_LOST, Outcome, Result
 from bastion.core.policy import PolicyError, parse_policy_text

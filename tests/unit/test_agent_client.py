@@ -1,4 +1,4 @@
-"""The pure parts of `bastion mcp`'s runner (bastion/agent_exec.py): what is kept of
+"""The pure parts of `bastion mcp`'s runner (bastion/client.py): what is kept of
 a stream, how bytes come back, what is refused before ssh starts and why, how the
 stock ssh parses the argv, and which stderr line is the gateway's."""
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bastion import agent_exec
-from bastion.agent_exec import (
+from bastion.agent import client
+from bastion.agent.client import (
     Busy,
     Command,
     Keeper,
@@ -133,14 +133,14 @@ def test_a_gateway_that_does_not_answer_is_busy(
 ) -> None:
     """A wedged gateway (it takes the connection, never answers; or its queue is
     full): GATEWAY_BUSY, nothing was sent, retry -- not an INTERNAL fault."""
-    monkeypatch.setattr(agent_exec, "ASK_TIMEOUT", 0.3)
+    monkeypatch.setattr(client, "ASK_TIMEOUT", 0.3)
     path = tmp_path / "agent.sock"
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(path))
         server.listen(0)
         for _ in range(2):  # silent, then a full queue (the first call's connection waits)
             with pytest.raises(Busy) as busy:
-                agent_exec.ask(path, {"query": "hosts"})
+                client.ask(path, {"query": "hosts"})
             assert busy.value.code is Code.GATEWAY_BUSY and busy.value.code.retryable
             assert "did not answer within 0.3 s" in str(busy.value)
             assert "Nothing was sent" in str(busy.value) and "retry" in str(busy.value).lower()

@@ -2,7 +2,7 @@
 
 Two backends behind one small protocol: the vault's own CA (`bastion ca
 init`), and a team's OpenBao / HashiCorp Vault SSH secrets engine
-(`gateway/openbao.py`). Either way the certificate says what `core/certs.py`
+(`ca/openbao.py`). Either way the certificate says what `core/certs.py`
 decided; a backend only chooses the serial and signs. A backend that cannot
 sign raises a `Refusal` (`core/refusals.py` words it) -- and then nothing is
 sent, because without a certificate there is no login.
@@ -15,8 +15,8 @@ import os
 import threading
 from typing import Protocol
 
-from bastion import ca
-from bastion.ca import Issued
+from bastion.ca import vault_ca
+from bastion.ca.vault_ca import Issued
 from bastion.core.certs import CertSpec
 from bastion.core.refusals import Fact, refusal
 from bastion.vault import Vault, VaultError, VaultLocked
@@ -58,7 +58,7 @@ class VaultCA:
         seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         if seen != self._seen:
             try:
-                self._label = ca.signing_label(self.vault)
+                self._label = vault_ca.signing_label(self.vault)
             except VaultError:
                 self._label = None
             self._seen = seen
@@ -83,7 +83,7 @@ class VaultCA:
         if label is None:
             raise refusal(Fact.NO_CA, problem=self.problem() or "no CA")
         try:
-            return ca.sign(self.vault.private_key(label), spec, self._serial())
+            return vault_ca.sign(self.vault.private_key(label), spec, self._serial())
         except VaultLocked as exc:
             raise refusal(Fact.CA_LOCKED) from exc
         except VaultError as exc:

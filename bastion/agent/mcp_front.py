@@ -28,8 +28,8 @@ from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp_types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 
-from bastion import agent_exec
-from bastion.agent_exec import AgentError, Command, Declined, Ran, Unsupported
+from bastion.agent import client
+from bastion.agent.client import AgentError, Command, Declined, Ran, Unsupported
 from bastion.core.contract import NOT_SENT
 from bastion.core.refusals import Observed, agent_error, waited_out
 
@@ -58,7 +58,7 @@ class Front:
     max_output: int = 256 * 1024  # bytes kept per stream: half its start, half its end
 
     def ask(self, query: str, **fields: str) -> dict[str, Any]:
-        return agent_exec.ask(self.agent_socket, {"query": query, **fields})
+        return client.ask(self.agent_socket, {"query": query, **fields})
 
     def account_of(self, host: str) -> str | None:
         """The host's only account, as the policy says now (what a `User` line in the
@@ -248,7 +248,7 @@ def build(front: Front) -> MCPServer:
             if cmd.user is None:
                 user = await asyncio.to_thread(front.account_of, host)
                 cmd = replace(cmd, user=user).checked()
-            await asyncio.to_thread(agent_exec.register_front, front.agent_socket)
+            await asyncio.to_thread(client.register_front, front.agent_socket)
         except AgentError as exc:
             return refused(exc)
 
@@ -256,7 +256,7 @@ def build(front: Front) -> MCPServer:
             message = f"running {elapsed:.0f} s; {out} bytes of stdout, {err} of stderr so far"
             await ctx.report_progress(elapsed, None, message)
 
-        ran = await agent_exec.run(front.ssh_config, cmd, front.max_output, progress)
+        ran = await client.run(front.ssh_config, cmd, front.max_output, progress)
         if ran.timed_out:
             return await timed_out(front, cmd, ran)
         if ran.error is not None:
@@ -299,10 +299,10 @@ def build(front: Front) -> MCPServer:
     async def request_status(
         request_id: Annotated[str, Field(description="The request id, e.g. req_0123abcd.")],
     ) -> CallToolResult:
-        if not agent_exec.ACTION_KEY.fullmatch(request_id):
+        if not client.ACTION_KEY.fullmatch(request_id):
             return failure(
                 Observed.ARGUMENT,
-                f"`request_id` {agent_exec.shown(request_id)} is not a request id: send one "
+                f"`request_id` {client.shown(request_id)} is not a request id: send one "
                 "an ssh_exec result gave (req_...).",
             )
         try:

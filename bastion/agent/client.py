@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from bastion.agent.proxy import MAX_HEADER, PROTOCOL, connect, reason
 from bastion.core.contract import NOT_SENT, Code, Exit
 from bastion.core.errors import BastionError
 from bastion.core.refusals import AGENT_SIDE, Observed
-from bastion.proxy import MAX_HEADER, PROTOCOL, connect, reason
 
 # What OpenSSH takes as a destination and a login name, and nothing that ssh could
 # read as an option (a leading "-") or that needs quoting in SetEnv.

@@ -28,8 +28,8 @@ from typing import Any
 
 import asyncssh
 
-from bastion import ca
-from bastion.ca import OPENBAO_SECRET, Issued
+from bastion.ca import vault_ca
+from bastion.ca.vault_ca import OPENBAO_SECRET, Issued
 from bastion.config import CaConfig
 from bastion.core.certs import CertSpec
 from bastion.core.contract import Refusal
@@ -300,7 +300,7 @@ class OpenBaoCA:
         return '[ca] backend = "openbao" needs hvac: install bastion[openbao], restart'
 
     async def issue(self, spec: CertSpec) -> Issued:
-        key = ca.fresh_key()
+        key = vault_ca.fresh_key()
         try:
             return await self._bounded(self._issue, spec, key)
         except Refusal:
