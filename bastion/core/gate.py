@@ -109,9 +109,9 @@ class Channel(enum.Enum):
     command per ssh connection, from the process that opened it."""
 
     EXEC = "exec"
-    SHELL = "shell"  # a session channel that asked for an interactive shell
+    SHELL = "shell"  # an exec channel that asked for an interactive shell
     SUBSYSTEM = "subsystem"  # sftp and the like
-    SHARED = "shared"  # a later session channel on a connection that already carried one
+    SHARED = "shared"  # a later exec channel on a connection that already carried one
 
 
 @dataclass(frozen=True)

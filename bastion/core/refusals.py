@@ -30,7 +30,7 @@ class Fact(enum.Enum):
     KEY_REFUSED = "key_refused"  # the target refused the account's key
     CERTIFICATE_REFUSED = "certificate_refused"  # the target refused the command's certificate
     NETWORK = "network"  # no connection: refused, reset, timed out
-    SESSION_REFUSED = "session_refused"  # the target refused a session channel (MaxSessions)
+    SESSION_REFUSED = "session_refused"  # the target refused an exec channel (MaxSessions)
     # a certificate account's certificate (gateway/certify.py, issuer.py, openbao.py)
     UNCERTIFIABLE = "uncertifiable"  # no certificate can carry the command exactly
     NO_CA = "no_ca"  # the vault holds no user CA

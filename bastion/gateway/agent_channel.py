@@ -1,4 +1,4 @@
-"""The session channel an agent's exec runs on, and what it answers besides exec.
+"""The exec channel an agent's exec runs on, and what it answers besides exec.
 
 An agent speaks SSH to the gateway, and an SSH client may send a session
 channel many requests besides the one `exec` the gateway serves. Each is
@@ -12,7 +12,7 @@ from asyncssh.packet import SSHPacket
 
 
 class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
-    """The session channel an agent gets: the exec command's exact bytes, and every
+    """The exec channel an agent gets: the exec command's exact bytes, and every
     other request answered without touching the command.
 
     asyncssh refuses a non-UTF-8 exec request outright, which the agent sees

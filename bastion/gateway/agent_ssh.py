@@ -10,7 +10,7 @@ Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
 forwarding. Shell and subsystem requests are answered with the agent-facing
 JSON error so that the agent learns what to do instead.
 
-One session channel per connection: a second one is what an ssh ControlMaster
+One exec channel per connection: a second one is what an ssh ControlMaster
 opens for another command, possibly from another process, and everything on
 the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
@@ -20,7 +20,7 @@ This module only observes: which channel the client opened (`gate.Channel`)
 and the ssh user it sent go into the `Request`, and the gate decides each of
 those refusals in its contract order, after a locked vault (`core/gate.py`).
 
-Every other request on the session channel is answered without touching the
+Every other request on the exec channel is answered without touching the
 command's relay (`agent_channel.py`).
 
 The listener stays up: a failed accept (EMFILE, ENFILE, ...) is retried after
@@ -338,7 +338,7 @@ class _AgentSSH(asyncssh.SSHServer):
         return False  # identity comes from the socket peer
 
     def session_requested(self) -> Any:
-        """The first session channel runs a command; a later one (a ControlMaster's
+        """The first exec channel runs a command; a later one (a ControlMaster's
         next command) is answered with `ONE_COMMAND` as the agent-facing JSON error
         (`UNSUPPORTED_REQUEST`, exit 77) and runs nothing. Not a refused channel open:
         OpenSSH's mux client prints only "Session open refused by peer" (the reason

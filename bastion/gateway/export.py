@@ -65,8 +65,8 @@ class _Home(Protocol):
     def journal(self) -> Path: ...
 
 
-class ExportParts(Protocol):
-    """What the stream reads of the gateway (`lifetime.Gateway`)."""
+class GatewayView(Protocol):
+    """The part of the one `lifetime.Gateway` the export stream reads."""
 
     @property
     def boot_id(self) -> str: ...
@@ -103,7 +103,7 @@ class StreamStopped(BastionError):
         return {"ok": False, "error": str(self), "retryable": self.retryable}
 
 
-def _identity(gw: ExportParts) -> Any:
+def _identity(gw: GatewayView) -> Any:
     """The journal identity's private key, for one batch (never kept across one)."""
     if gw.vault.locked:
         raise StreamStopped(LOCKED, retryable=True)
@@ -194,7 +194,7 @@ def _contiguous(last: int, records: list[Record]) -> bool:
     return all(b == a + 1 for a, b in itertools.pairwise(seqs))
 
 
-async def _catch_up(gw: ExportParts, exporter: Exporter) -> AsyncIterator[dict[str, Any]]:
+async def _catch_up(gw: GatewayView, exporter: Exporter) -> AsyncIterator[dict[str, Any]]:
     """A record line for every record on disk after `exporter.last`, read and
     decrypted chunk by chunk in worker threads; StreamStopped when the vault locks."""
     records: Iterator[Record] = journal.records(gw.home.journal)
@@ -209,7 +209,7 @@ async def _catch_up(gw: ExportParts, exporter: Exporter) -> AsyncIterator[dict[s
             yield {"event": "record", "record": event}
 
 
-async def _follow(gw: ExportParts, exporter: Exporter, feed: Feed) -> AsyncIterator[dict[str, Any]]:
+async def _follow(gw: GatewayView, exporter: Exporter, feed: Feed) -> AsyncIterator[dict[str, Any]]:
     """Records as the recorder reports them on disk; a ping when idle."""
     while True:
         if not await feed.wait(PING):
@@ -235,7 +235,7 @@ async def _follow(gw: ExportParts, exporter: Exporter, feed: Feed) -> AsyncItera
             yield {"event": "record", "record": event}
 
 
-async def export_stream(gw: ExportParts, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def export_stream(gw: GatewayView, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """The "export" stream of the operator socket (see the module's docstring)."""
     feed = Feed(asyncio.get_running_loop())
     sinks = gw.recorder.sinks

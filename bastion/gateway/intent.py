@@ -4,7 +4,7 @@ A decided command is sent only if, at the last moment, the gate still says so
 (`final_check`), its command grant is spent, and the journal holds the whole
 story so far: its first record, every record since (none lost to a full disk),
 and `dispatch_started`, fsynced. With a witness the intent must also have left
-the box: it is written before the session channel opens and the dispatch waits
+the box: it is written before the exec channel opens and the dispatch waits
 for the witness to confirm its head (`prepare`), then the gate is asked once
 more with no await before the exec request (`__call__`, from
 `outbound._IntentProcess.connection_made`). See docs/architecture.md, "The
@@ -67,7 +67,7 @@ class Intent:
         return record
 
     async def prepare(self) -> None:
-        """With a witness, before the session channel opens: the intent on disk and its
+        """With a witness, before the exec channel opens: the intent on disk and its
         head confirmed off the box (`Witness.intent`), or nothing is sent. A wait that
         ends unconfirmed asks the gate first: a vault locked meanwhile says so."""
         if self.witnessed is None or self.written:

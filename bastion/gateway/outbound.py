@@ -50,14 +50,14 @@ REFUSED_RETRIES = 16
 
 
 class _ChannelRefused(BastionError):
-    """The target refused a session channel on a connection that carries others
+    """The target refused an exec channel on a connection that carries others
     (sshd's MaxSessions): another connection may take it."""
 
 
 class _IntentProcess(asyncssh.SSHClientProcess):  # type: ignore[type-arg]
     """Runs the intent at the last moment before the exec request is sent.
 
-    asyncssh calls `connection_made` after the session channel is confirmed
+    asyncssh calls `connection_made` after the exec channel is confirmed
     and then sends the exec request without yielding to the event loop, so
     nothing (a lock, a revoke) can happen between the final decision and the
     request leaving. If the intent refuses, the channel is closed unused.
@@ -213,7 +213,7 @@ class Dispatcher:
         channel is open and immediately before the exec request is sent, with
         no await in between: it re-decides and journals, and refuses by raising.
         `prepare` (a witness must hold the intent) runs once the connection is up and
-        before the session channel opens; it refuses by raising too.
+        before the exec channel opens; it refuses by raising too.
         With `certify` (a certificate account) the login is its certificate, on a
         connection of its own that closes after this one command.
 
@@ -372,4 +372,4 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
 
 
 async def _nothing() -> None:
-    """No step before the session channel opens (no witness to wait for)."""
+    """No step before the exec channel opens (no witness to wait for)."""

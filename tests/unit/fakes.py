@@ -1,6 +1,6 @@
 """Fakes for the gateway service: every part it is built from, in memory.
 
-`Lifetime` below builds a `Service` and an `Authority` with the function the
+`FakeGateway` below builds a `Service` and an `Authority` with the function the
 gateway uses (`gateway/assembly.build_service`), but over a vault, a policy, a
 journal, an outbound dispatcher, a clock and timers that the test controls.
 Nothing here sleeps or touches the network: a test moves time and answers
@@ -322,7 +322,7 @@ class Agent:
 _boots = itertools.count(1)
 
 
-class Lifetime:
+class FakeGateway:
     """What `gateway/lifetime.py` wires, with fakes for what touches the system."""
 
     def __init__(

@@ -281,3 +281,12 @@ def test_no_module_is_named_like_the_standard_library() -> None:
     for name in MODULES:
         leaf = name.rsplit(".", 1)[-1]
         assert leaf == "bastion" or leaf not in sys.stdlib_module_names, name
+
+
+def test_test_files_have_names_of_their_own_across_the_tiers() -> None:
+    """pytest imports each test file by its basename (no packages): two tiers holding
+    `test_x.py` each stop the whole run at collection."""
+    seen: dict[str, Path] = {}
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]}"
+        seen[path.name] = path

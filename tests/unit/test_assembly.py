@@ -1,6 +1,6 @@
 """One assembly (`gateway/assembly.build_service`) for the daemon and the tests.
 
-The unit tests run the service and the authority that `fakes.Lifetime` builds;
+The unit tests run the service and the authority that `fakes.FakeGateway` builds;
 they show what the daemon does only if the daemon builds them the same way.
 These tests hold that: only the assembly constructs either, and what it hands
 the authority is the service's own book, recorder, vault, connections and
@@ -20,12 +20,12 @@ from bastion.core.gate import Request
 from bastion.gateway.service import new_request_id
 from tests.unit.fakes import (
     PASSPHRASE,
+    FakeGateway,
     FakeJournal,
     FakeOutbound,
     FakePolicy,
     FakeProcessTree,
     FakeVault,
-    Lifetime,
     idle,
     policy,
 )
@@ -76,11 +76,11 @@ TREE = FakeProcessTree()
 
 
 @pytest.fixture
-def life() -> Lifetime:
-    return Lifetime(FakeVault(), FakePolicy(policy()), FakeJournal(), TREE, FakeOutbound())
+def life() -> FakeGateway:
+    return FakeGateway(FakeVault(), FakePolicy(policy()), FakeJournal(), TREE, FakeOutbound())
 
 
-def test_the_service_and_the_authority_share_their_parts(life: Lifetime) -> None:
+def test_the_service_and_the_authority_share_their_parts(life: FakeGateway) -> None:
     service, authority = life.service, life.authority
     assert authority.book is service.book is life.book
     assert authority.recorder is service.recorder is life.recorder
@@ -88,7 +88,7 @@ def test_the_service_and_the_authority_share_their_parts(life: Lifetime) -> None
     assert authority.alive is service.alive
 
 
-async def test_a_vault_change_retires_the_services_connections(life: Lifetime) -> None:
+async def test_a_vault_change_retires_the_services_connections(life: FakeGateway) -> None:
     """Unlock and lock each retire the outbound connections the service dispatches on."""
     outbound = life.outbound
     assert life.service.outbound is outbound and outbound.retired == 0
@@ -98,7 +98,7 @@ async def test_a_vault_change_retires_the_services_connections(life: Lifetime) -
     assert outbound.retired == 2
 
 
-async def test_lock_with_terminate_ends_what_the_service_has_in_flight(life: Lifetime) -> None:
+async def test_lock_with_terminate_ends_what_the_service_has_in_flight(life: FakeGateway) -> None:
     """The authority's view of the requests in flight is the service's own."""
     await life.authority.unlock(PASSPHRASE)
     conn = life.connect(TREE.spawn(), user="ops")

@@ -29,12 +29,12 @@ from bastion.gateway.service import AgentConn, new_request_id
 from bastion.images import CTIME_MARGIN_NS, ExeHasher, Images, layout
 from tests.unit.fakes import (
     PASSPHRASE,
+    FakeGateway,
     FakeJournal,
     FakeOutbound,
     FakePolicy,
     FakeProcessTree,
     FakeVault,
-    Lifetime,
     idle,
     policy,
 )
@@ -305,7 +305,7 @@ class Book:
 
     def __init__(self) -> None:
         self.tree = FakeProcessTree()
-        self.life = Lifetime(
+        self.life = FakeGateway(
             FakeVault(), FakePolicy(policy()), FakeJournal(), self.tree, FakeOutbound(auto=True)
         )
 

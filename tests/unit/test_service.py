@@ -28,12 +28,12 @@ from bastion.gateway.service import AgentConn, new_request_id
 from bastion.vault import WrongPassphrase
 from tests.unit.fakes import (
     PASSPHRASE,
+    FakeGateway,
     FakeJournal,
     FakeOutbound,
     FakePolicy,
     FakeProcessTree,
     FakeVault,
-    Lifetime,
     idle,
     policy,
 )
@@ -52,8 +52,8 @@ class Rig:
         self.outbound = FakeOutbound(auto=auto)
         self.life = self.new_lifetime()
 
-    def new_lifetime(self) -> Lifetime:
-        return Lifetime(self.vault, self.policy, self.journal, self.tree, self.outbound)
+    def new_lifetime(self) -> FakeGateway:
+        return FakeGateway(self.vault, self.policy, self.journal, self.tree, self.outbound)
 
     async def unlock(self) -> None:
         await self.life.authority.unlock(PASSPHRASE)

@@ -55,12 +55,12 @@ from tests.unit.fakes import (
     PASSPHRASE,
     Agent,
     Call,
+    FakeGateway,
     FakeJournal,
     FakeOutbound,
     FakePolicy,
     FakeProcessTree,
     FakeVault,
-    Lifetime,
     policy,
     settle,
 )
@@ -120,7 +120,7 @@ class GatewayMachine(RuleBasedStateMachine):
         self.journal = FakeJournal()
         self.tree = FakeProcessTree()
         self.agents: list[Agent] = []
-        self.conns: list[tuple[Lifetime, AgentConn]] = []
+        self.conns: list[tuple[FakeGateway, AgentConn]] = []
         self.tasks: list[asyncio.Task[Any]] = []
         self.asked_locked: set[str] = set()
         self.spent: set[str] = set()
@@ -137,9 +137,9 @@ class GatewayMachine(RuleBasedStateMachine):
     def clock(self) -> float:
         return self.now
 
-    def new_lifetime(self) -> Lifetime:
+    def new_lifetime(self) -> FakeGateway:
         outbound = FakeOutbound()
-        life = Lifetime(self.vault, self.policy, self.journal, self.tree, outbound, self.clock)
+        life = FakeGateway(self.vault, self.policy, self.journal, self.tree, outbound, self.clock)
         outbound.on_send = lambda call: self.check_send(life, call)
         if self.witness is not None:
             self.witness = life.service.witnessed = FakeWitness()  # a new process's waits
@@ -156,7 +156,7 @@ class GatewayMachine(RuleBasedStateMachine):
     def violated(self, why: str) -> None:
         self.violations.append(why)
 
-    def check_send(self, life: Lifetime, call: Call) -> None:
+    def check_send(self, life: FakeGateway, call: Call) -> None:
         """The exec request is leaving: was it decided in this world?"""
         rid, conn = call.streams
         subject = conn.peer.subject
