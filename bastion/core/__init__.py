@@ -1,12 +1,15 @@
 """The audited core: where bastion decides, and the records it decides over.
 
-`gate` (the decision: a request in a world to a verdict), `policy` (the policy
+`gate` (the decision: a request in a world to a verdict, every refusal of the
+request path), `refusals` (what the edges may say of what they observed, and
+its code), `opguard` (who may speak for the operator), `policy` (the policy
 model), `command` (a command read as the target's shell reads it), `subject`
-(who asks), `certs` (what a per-command certificate says), `cards` (what a
-person is asked), `contract` (what an agent is told: codes, exit statuses, the
-`Refusal`), `errors` (the root exception), `events` (the journal's vocabulary
-and its folds), `display` (what a person is shown), `options` (options that
-run programs), `defaults` (every tunable, once).
+(who asks, and where the subject stands in a process chain), `binding` (what a
+yes is bound to), `certs` (what a per-command certificate says), `cards` (what
+a person is asked), `contract` (what an agent is told: codes, exit statuses,
+the `Refusal`), `errors` (the root exception), `events` (the journal's
+vocabulary and its folds), `display` (what a person is shown), `options`
+(options that run programs), `defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

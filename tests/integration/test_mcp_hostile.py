@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from bastion.agent import client as agent_client
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import Bastion, policy_toml
 from tests.mcp_client_helper import McpClient, error_of
@@ -154,8 +155,8 @@ def test_no_other_argument_becomes_an_option(bastion: Bastion, traps: Traps) -> 
     assert r["structured"]["stdout"] == "ran\n", r
     assert r["structured"]["request_id"]  # the front found its request by that very key
     # ... which belongs to the process that sent it: another one learns nothing by it.
-    with pytest.raises(client.Declined, match="no request with that action key"):
-        client.ask(bastion.home.agent_socket, {"query": "request", "action_key": key})
+    with pytest.raises(agent_client.Declined, match="no request with that action key"):
+        agent_client.ask(bastion.home.agent_socket, {"query": "request", "action_key": key})
     # Refused before ssh starts, saying which argument: option-shaped action keys and
     # values of the wrong type.
     wrong: list[dict[str, Any]] = [{"action_key": v} for v in traps.values()]
