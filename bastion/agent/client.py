@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bastion.agent.proxy import MAX_HEADER, PROTOCOL, connect, reason
+from bastion.agent.proxy import ENDINGS, MAX_HEADER, PROTOCOL, connect, read_refusal, reason
 from bastion.core.contract import NOT_SENT, Code, Exit
 from bastion.core.errors import BastionError
 from bastion.core.refusals import AGENT_SIDE, Observed
@@ -347,7 +347,10 @@ def _converse(sock_path: Path, fields: dict[str, str], limit: int) -> str:
             ) from None
     reply = data.decode("utf-8", "replace").strip()
     if not reply.startswith("OK"):
-        raise Declined(reply.removeprefix("ERR").strip() or "the gateway gave no answer")
+        code, text = read_refusal(data)
+        if code in ENDINGS and ENDINGS[code][2]:  # retryable: the gateway is full
+            raise Busy(f"The bastion gateway is busy: {text}. {NOT_SENT}")
+        raise Declined(text or "the gateway gave no answer")
     return reply[2:].strip()
 
 

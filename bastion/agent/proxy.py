@@ -30,6 +30,22 @@ REPLY_TIMEOUT = 30.0
 # bastion.core.contract's table has them (tests/unit/test_contract.py holds them to it).
 INTERNAL = ("INTERNAL", 70, False)
 GATEWAY_BUSY = ("GATEWAY_BUSY", 69, True)
+# What a gateway's `ERR [CODE] reason` line may carry; any other is read as INTERNAL.
+ENDINGS = {ending[0]: ending for ending in (INTERNAL, GATEWAY_BUSY)}
+
+
+def refusal_line(code: str, reason: str) -> bytes:
+    """The gateway's one-line refusal before SSH: the code core chose, then why."""
+    return f"ERR [{code}] {reason}\n".encode()
+
+
+def read_refusal(reply: bytes) -> tuple[str | None, str]:
+    """(code, reason) from an `ERR` line; the code is None where the line has none."""
+    text = reply.decode("utf-8", "replace").strip().removeprefix("ERR").strip()
+    code, sep, rest = text.partition("] ")
+    if text.startswith("[") and sep and code[1:].isupper():
+        return code[1:], rest
+    return None, text
 
 
 def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
@@ -143,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             "ask the operator to check `bastion status`."
         )
     if not reply.startswith(b"OK"):
-        text = reply.decode("utf-8", "replace").strip().removeprefix("ERR").strip()
-        return fail(f"The bastion gateway refused the connection: {text or 'no reply'}.")
+        code, text = read_refusal(reply)
+        ending = ENDINGS.get(code or "", INTERNAL)
+        return fail(f"The bastion gateway refused the connection: {text or 'no reply'}.", ending)
     if stat.S_ISSOCK(os.fstat(1).st_mode):
         # ProxyUseFdpass (ssh gives us a socketpair, not pipes): hand ssh the
         # connected socket itself and get out of the way.

@@ -224,3 +224,18 @@ def waited_out(recorded: str | None) -> str:
     """The code of a call whose time ran out while the gateway still waited (for an
     approval or a free slot): the one the journal recorded, else APPROVAL_TIMEOUT."""
     return recorded or Code.APPROVAL_TIMEOUT.value
+
+
+# -- the agent socket before SSH: a connection turned away with one `ERR` line -------------
+
+
+class Turned(enum.Enum):
+    """Why the agent socket turned a connection away before any SSH (`agent_ssh`)."""
+
+    FULL = "full"  # its tenant's share of connections, all agents' ceiling, no walker turn
+    REFUSED = "refused"  # a header, an identity or a registration it cannot take
+
+
+# The code each carries on the `ERR` line, which the proxy and the agent client read
+# (`proxy.refusal_line`). A full gateway is worth retrying; a refusal is not.
+TURNED: dict[Turned, Code] = {Turned.FULL: Code.GATEWAY_BUSY, Turned.REFUSED: Code.INTERNAL}

@@ -95,7 +95,7 @@ class AgentDoors:
                     await asyncio.wait({done})
                     raise
         except NoSlot as busy:
-            raise IdentityError(
+            raise NoSlot(
                 f"the gateway is busy identifying connections ({busy}); retry in a few seconds"
             ) from None
 

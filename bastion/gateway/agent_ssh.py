@@ -48,13 +48,15 @@ from typing import Any
 
 import asyncssh
 
-from bastion.agent.proxy import MAX_HEADER, PROTOCOL
+from bastion.agent.proxy import MAX_HEADER, PROTOCOL, refusal_line
 from bastion.core.contract import Failure
 from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, bound_action
 from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
+from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer
 from bastion.gateway import procs
+from bastion.gateway.admission import NoSlot
 from bastion.gateway.agent_channel import AgentChannel
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
@@ -78,7 +80,7 @@ _ONE_CONNECTION_LOST = {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAG
 
 # Raised by a connection's own code for a client's input, or by the system; logged
 # without a traceback. Anything else is a bug and is logged with one (once per kind).
-_EXPECTED = (ValueError, TimeoutError, IdentityError, OSError, asyncssh.Error)
+_EXPECTED = (ValueError, TimeoutError, IdentityError, NoSlot, OSError, asyncssh.Error)
 
 REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
 QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
@@ -269,7 +271,7 @@ class AgentListener:
         except TimeoutError:
             await self._refuse(sock, TimeoutError(f"no header line within {HEADER_TIMEOUT:g}s"))
             return
-        except (ValueError, IdentityError, OSError) as exc:
+        except (ValueError, IdentityError, NoSlot, OSError) as exc:
             await self._refuse(sock, exc)
             return
         conn = AgentConn(peer=peer, host=header["host"], user=header["user"])
@@ -293,12 +295,16 @@ class AgentListener:
             closed()
 
     async def _refuse(self, sock: socket.socket, exc: Exception) -> None:
-        """The one-line answer to a connection refused before SSH started."""
+        """The one-line answer to a connection refused before SSH started: what was
+        observed (a full share, or anything else), with the code core gives it."""
         self._health.refused(exc)
         reason = " ".join(str(exc).split())[:500] or type(exc).__name__
+        full = isinstance(exc, TooManyConnections | NoSlot)
+        code = TURNED[Turned.FULL if full else Turned.REFUSED]
         with contextlib.suppress(OSError, TimeoutError):
             loop = asyncio.get_running_loop()
-            await asyncio.wait_for(loop.sock_sendall(sock, f"ERR {reason}\n".encode()), 5)
+            line = refusal_line(code.value, reason)
+            await asyncio.wait_for(loop.sock_sendall(sock, line), 5)
 
 
 class TooManyConnections(BastionError):

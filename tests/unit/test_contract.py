@@ -9,7 +9,7 @@ from pathlib import Path
 from bastion.agent import proxy
 from bastion.agent.client import GATEWAY_EXITS
 from bastion.core.contract import CONTRACT, Code, Exit, Failure
-from bastion.core.refusals import AGENT_SIDE, agent_error
+from bastion.core.refusals import AGENT_SIDE, TURNED, agent_error
 
 
 def test_every_code_is_distinct_and_in_the_table() -> None:
@@ -119,6 +119,9 @@ def test_the_agent_sides_numbers_are_the_contracts() -> None:
     table. Either way the codes, statuses and flags an agent reads are these."""
     for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
         assert CONTRACT[Code(code)] == (status, retryable), code
+    # Every code the agent socket may put on an `ERR` line, the proxy can end with.
+    for code in TURNED.values():
+        assert proxy.ENDINGS[code.value] == (code.value, *CONTRACT[code]), code
     assert GATEWAY_EXITS == {int(e) for e in Exit} == {int(s) for s, _ in CONTRACT.values()}
     for observed, code in AGENT_SIDE.items():
         assert agent_error(observed, "m")["retryable"] is code.retryable, observed

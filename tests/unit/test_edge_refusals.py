@@ -306,3 +306,14 @@ def test_a_signers_refusal_passes_through_the_dispatcher_unchanged() -> None:
     with pytest.raises(Refusal) as refused:
         _run(Dispatcher(lambda _: None), host, account, certify=certify)  # type: ignore[arg-type,return-value]
     assert refused.value is said
+
+
+def test_a_connection_turned_away_for_a_full_share_is_busy_and_anything_else_internal() -> None:
+    """The `ERR` line's code: a full gateway says retry (its words do too); a refusal
+    of the header, the identity or a registration does not."""
+    from bastion.core.contract import Code
+    from bastion.core.refusals import TURNED, Turned
+
+    assert set(TURNED) == set(Turned)
+    assert TURNED[Turned.FULL] is Code.GATEWAY_BUSY and Code.GATEWAY_BUSY.retryable
+    assert TURNED[Turned.REFUSED] is Code.INTERNAL and not Code.INTERNAL.retryable

@@ -100,6 +100,21 @@ CASES: dict[str, tuple[Callable[[Path], contextlib.AbstractContextManager[object
     "not running": (no_socket, "INTERNAL", "is not running"),
     "stale socket": (stale_socket, "INTERNAL", "not accepting connections"),
     "refused": (lambda p: answering(p, b"ERR too many\n"), "INTERNAL", "refused the connection"),
+    "refused, coded": (
+        lambda p: answering(p, b"ERR [INTERNAL] not a header\n"),
+        "INTERNAL",
+        "refused the connection: not a header.",
+    ),
+    "full": (
+        lambda p: answering(p, b"ERR [GATEWAY_BUSY] too many connections; retry\n"),
+        "GATEWAY_BUSY",
+        "refused the connection: too many connections; retry.",
+    ),
+    "unknown code": (
+        lambda p: answering(p, b"ERR [MADE_UP] no\n"),
+        "INTERNAL",
+        "refused the connection: no.",
+    ),
     "closed": (lambda p: answering(p, b""), "INTERNAL", "no reply"),
     "reset": (lambda p: answering(p, None), "INTERNAL", "Could not talk"),
     "silent": (silent, "GATEWAY_BUSY", "did not answer within 0.5 s"),
@@ -137,3 +152,14 @@ def test_a_name_too_long_for_the_header_is_refused(capsys: pytest.CaptureFixture
     assert proxy.main(["--socket", "/nonexistent", "h" * 5000, "22", "u"]) == 70
     error = json.loads(capsys.readouterr().err)["error"]
     assert error["code"] == "INTERNAL" and "too long" in error["message"]
+
+
+def test_a_refusal_line_reads_back_as_written() -> None:
+    """The gateway writes `refusal_line`, the proxy and the agent client `read_refusal`:
+    one format, with lines of older gateways (no code) still read."""
+    line = proxy.refusal_line("GATEWAY_BUSY", "too many connections [x] ] y")
+    assert line == b"ERR [GATEWAY_BUSY] too many connections [x] ] y\n"
+    assert proxy.read_refusal(line) == ("GATEWAY_BUSY", "too many connections [x] ] y")
+    assert proxy.read_refusal(b"ERR too many\n") == (None, "too many")
+    assert proxy.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
+    assert proxy.read_refusal(b"") == (None, "")
