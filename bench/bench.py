@@ -86,7 +86,9 @@ def bench(
         direct = ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes"]
         direct += ["-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes"]
         direct += ["-o", "BatchMode=yes", "-p", str(info.port), f"{info.user}@{info.address}"]
-        proxy = [sys.executable, "-I", "-S", str(REPO / "bastion" / "proxy.py")]
+        proxy_path = REPO / "bastion" / "agent" / "proxy.py"
+        assert proxy_path.is_file(), proxy_path  # a missing script would "start" in 10 ms
+        proxy = [sys.executable, "-I", "-S", str(proxy_path)]
         proxy += ["--socket", "/nonexistent", "h", "22", "u"]
 
         # web1: the vault key, pooled; cert1: the same sshd, a certificate per command.
