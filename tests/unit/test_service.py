@@ -557,15 +557,21 @@ async def test_past_the_in_flight_limit_a_command_waits_then_is_told_busy() -> N
     assert isinstance(await again, Result)
 
 
-async def test_a_lock_while_queued_stops_the_command_when_its_turn_comes() -> None:
-    r = Rig(auto=False)
+async def one_queued(r: Rig, wait: float) -> tuple[Any, Any]:
+    """One command in flight under a limit of one, a second approved and waiting its turn."""
     await r.unlock()
-    r.life.service.admission = Admission(limit=1, wait=30)
+    r.life.service.admission = Admission(limit=1, wait=wait)
     _, first = await approved_in_flight(r)
     second = r.send(r.life.connect(r.tree.spawn()))
     await r.approve()
     await idle()
     assert r.life.service.admission.waiting() == 1
+    return first, second
+
+
+async def test_a_lock_while_queued_stops_the_command_when_its_turn_comes() -> None:
+    r = Rig(auto=False)
+    first, second = await one_queued(r, wait=30)
     await r.life.authority.lock(terminate=False)
     await r.finished()
     await first
@@ -656,13 +662,7 @@ async def test_an_ssh_user_other_than_the_proxys_is_refused_before_any_card(rig:
 
 async def test_a_wait_for_a_slot_that_ran_out_while_the_vault_locked_says_vault_locked() -> None:
     r = Rig(auto=False)
-    await r.unlock()
-    r.life.service.admission = Admission(limit=1, wait=0.05)
-    _, first = await approved_in_flight(r)
-    second = r.send(r.life.connect(r.tree.spawn()))
-    await r.approve()
-    await idle()
-    assert r.life.service.admission.waiting() == 1
+    first, second = await one_queued(r, wait=0.05)
     await r.life.authority.lock(terminate=False)
     result = await asyncio.wait_for(second, 5)  # the wait runs out: the lock comes first
     assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
