@@ -309,6 +309,20 @@ class Bastion:
         assert self.daemon is not None and psutil.Process(pid).ppid() == self.daemon.pid
         return pid
 
+    def kill_daemon(self) -> None:
+        """SIGKILL `bastion daemon`, and wait until the gateway it forked is gone too
+        (its PR_SET_PDEATHSIG kills it a moment after): a daemon started next must not
+        find the dying gateway still answering on the old sockets."""
+        assert self.daemon is not None
+        try:
+            forked = psutil.Process(self.daemon.pid).children()
+        except psutil.NoSuchProcess:
+            forked = []
+        self.daemon.send_signal(signal.SIGKILL)
+        self.daemon.wait(20)
+        psutil.wait_procs(forked, timeout=20)
+        assert not [p for p in forked if p.is_running()], forked
+
     def stop_daemon(self) -> None:
         if self.daemon is not None and self.daemon.poll() is None:
             self.daemon.terminate()

@@ -264,7 +264,9 @@ if how == "stay":
     print("exit", os.waitstatus_to_exitcode(status), flush=True)
     sys.exit(0)
 libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
-secrets = os.read(control, 65536).split(b"\\n")  # told when the command has read them
+# Told, in hex (a raw key may hold a newline), once the command has read them.
+secrets = [bytes.fromhex(word.decode()) for word in os.read(control, 65536).split()]
+assert secrets and all(secrets), secrets
 text = b""
 while chunk := os.pread(maps, 65536, len(text)):
     text += chunk
@@ -316,7 +318,7 @@ def test_a_memory_opened_before_the_command_closed_it_never_holds_the_passphrase
         secret = PASSPHRASE.encode()
         os.write(stdin_w, secret + b"\n")  # the vault passphrase; the token is not given yet
         wait_for(lambda: unread(stdin_w) == 0 and reading_stdin(prober), timeout=30)
-        os.write(control_w, secret)
+        os.write(control_w, secret.hex().encode())
         assert reader.stdout.readline().strip() == b"not found"
     finally:
         os.close(stdin_w)  # the token never comes: the command stops
@@ -367,7 +369,8 @@ def test_a_memory_opened_before_the_gateway_closed_it_never_holds_a_key(
         wait_for(lambda: b.home.operator_socket.exists(), timeout=30)
         gateway = b.op("status")["pid"]
         b.unlock()  # the passphrase, and the journal identity that certifies at unlock
-        os.write(control_w, b"\n".join([PASSPHRASE.encode(), journal_identity_seed(b)]))
+        told = [PASSPHRASE.encode(), journal_identity_seed(b)]
+        os.write(control_w, b"\n".join(secret.hex().encode() for secret in told))
         assert reader.stdout.readline().strip() == b"not found"
     finally:
         os.close(control_w)

@@ -315,8 +315,7 @@ def test_another_process_cannot_acknowledge_an_action_key(
         rid = a.start(f"touch {running}; sleep 30", ssh_args=later)
         wait_for(running.exists, timeout=20)
         assert b.daemon is not None
-        b.daemon.send_signal(signal.SIGKILL)  # the gateway itself is cut off
-        b.daemon.wait(20)
+        b.kill_daemon()  # the gateway itself is cut off
         a.wait(rid, timeout=30)
         b.start_daemon()
         b.unlock()

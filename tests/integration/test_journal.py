@@ -7,7 +7,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -325,8 +324,7 @@ def test_a_whole_record_without_its_newline_is_a_record_not_a_torn_tail(
         b.approve_next()
         wait_for(runs.exists, 30)
         assert b.daemon is not None
-        b.daemon.send_signal(signal.SIGKILL)
-        b.daemon.wait(10)
+        b.kill_daemon()
         agent.wait(first)
         seg = journal.segments(b.home.journal)[-1]
         data = seg.read_bytes()

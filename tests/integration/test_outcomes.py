@@ -159,8 +159,7 @@ def test_gateway_killed_mid_command_is_unknown_after_restart(
     rid = started(agent, marker, "sleep 30")
     approve_and_wait_running(bastion, marker)
     assert bastion.daemon is not None
-    bastion.daemon.send_signal(signal.SIGKILL)
-    bastion.daemon.wait(20)
+    bastion.kill_daemon()
     request_id = _open_request(bastion)
     assert state(bastion, request_id)["state"] == "status_unknown"  # its gateway is gone
     r = agent.wait(rid, timeout=30)

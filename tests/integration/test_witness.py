@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -265,8 +264,7 @@ def test_laundering_after_a_kill_is_caught(
         end = last_seq(b.home.root)
         rsyslog.wait_for(lambda _: end in head_seqs(rsyslog.output))
         assert b.daemon is not None
-        b.daemon.send_signal(signal.SIGKILL)
-        b.daemon.wait(10)
+        b.kill_daemon()
     finally:
         b.close()
     jdir = b.home.journal
@@ -355,8 +353,7 @@ def killed_mid_command(
         agent.start(f"touch {marker}; sleep 120")
         wait_for(marker.exists, 30)  # it reached the target
         assert b.daemon is not None
-        b.daemon.send_signal(signal.SIGKILL)
-        b.daemon.wait(10)
+        b.kill_daemon()
     finally:
         b.close()
     recs = list(journal.records(b.home.journal))
