@@ -2,7 +2,10 @@
 
 Everything secret or authoritative lives here with owner-only permissions:
 the vault, the gateway's own SSH host key, the policies, the journal. Only
-the agent socket is meant to be reached by agents.
+the agent socket is meant to be reached by agents, and it has a directory of
+its own (`run/`, nothing else in it): a sandboxed run gets that directory
+bound in read-only, so a gateway restart's new socket is seen inside, while
+the operator socket and the gateway's records (`operator/`) stay out.
 """
 
 from __future__ import annotations
@@ -53,14 +56,20 @@ class Home:
         return self.run / "agent.sock"
 
     @property
+    def operator_dir(self) -> Path:
+        """The operator socket and the gateway's records of its lifetime: never
+        bound into a sandbox (the agents' door is `run/`)."""
+        return self.root / "operator"
+
+    @property
     def operator_socket(self) -> Path:
-        return self.run / "operator.sock"
+        return self.operator_dir / "operator.sock"
 
     @property
     def lifetime(self) -> Path:
         """Hashed facts about the approvals alive in the current lifetime, so
         the next one can explain its cards (`gateway_restarted`). Never a grant."""
-        return self.run / "lifetime.json"
+        return self.operator_dir / "lifetime.json"
 
     @property
     def config(self) -> Path:
@@ -86,6 +95,6 @@ class Home:
         return self.vault.exists()
 
     def make_dirs(self) -> None:
-        for d in (self.root, self.policies, self.run):
+        for d in (self.root, self.policies, self.run, self.operator_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,13 @@ os.environ["BASTION_KDF_PROFILE"] = "test"
 # ~150 ms a command -- and a pyenv lock left behind by any killed shell stalls each one
 # for 60 s, which is how a CI run on such a machine timed out (README, "Slow commands").
 os.environ["SHELL"] = "/bin/sh"
+# `bastion run` gives every run a private /tmp, so what a test hands an agent inside a run
+# (its ssh config, scripts, markers) must not live there: every test's files go under
+# /var/tmp instead (pytest's tmp_path follows tempfile's directory).
+TEST_TMP = Path("/var/tmp/bt")  # short: unix socket paths in it must fit 107 bytes
+TEST_TMP.mkdir(mode=0o1777, exist_ok=True)
+os.environ["TMPDIR"] = str(TEST_TMP)
+tempfile.tempdir = str(TEST_TMP)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
