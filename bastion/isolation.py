@@ -471,3 +471,100 @@ def memory_sealed(pid: int) -> bool:
         return uid not in (None, 0) and os.stat(f"/proc/{pid}").st_uid == 0
     except OSError:
         return False
+
+
+# -- the threat model, one table: README.md shows it, `bastion status` prints it ------------
+
+THREAT_COLUMNS = (
+    "an agent that tries to ...",
+    "in a sandboxed run (default)",
+    "unsandboxed (`--no-sandbox`, or outside any run)",
+    "strong mode (`--isolated`) adds",
+)
+THREATS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "answer its own card (operator socket)",
+        "cannot: hidden, and refused by namespace",
+        "cannot from inside a run; a process of your uid outside every run can",
+        "a uid of its own: refused by permissions too",
+    ),
+    (
+        "type into your tmux or screen, `new-window`, `stuff`",
+        "cannot: sockets hidden, `/tmp` private",
+        "can",
+        "",
+    ),
+    (
+        "push keys into your terminal (TIOCSTI)",
+        "cannot: a session of its own",
+        "can",
+        "",
+    ),
+    (
+        "use your session bus, keyring, `systemd-run --user`, ssh-agent, X11, `at`/`crontab`",
+        "cannot",
+        "can",
+        "",
+    ),
+    (
+        "read the vault, journal, policies, host key",
+        "cannot: hidden",
+        "can copy them (the passphrase still protects the vault and journal)",
+        "cannot, by file modes",
+    ),
+    (
+        "read your private keys (`~/.ssh/id_*`, `~/.gnupg`)",
+        "cannot",
+        "can",
+        "cannot, by file modes",
+    ),
+    (
+        "list, signal, ptrace your processes (`bastion unlock`, your shell)",
+        "cannot: PID namespace, Landlock",
+        "can (not the gateway: it is not dumpable)",
+        "",
+    ),
+    (
+        "see, signal, ptrace another run, write its `/tmp` or private HOME",
+        "cannot",
+        "can",
+        "",
+    ),
+    (
+        "ride another run's ControlMaster or approval",
+        "cannot",
+        "cannot (each process or run is its own subject; a ControlMaster outside a run is refused)",
+        "",
+    ),
+    (
+        "outlive its run (SIGKILL of `bastion run`)",
+        "cannot",
+        "can",
+        "",
+    ),
+    (
+        "answer for you after a gateway restart",
+        "cannot",
+        "cannot from inside a run",
+        "",
+    ),
+    (
+        "read and change your files (the project, `~`)",
+        "can: everything your user can that is not hidden "
+        "(`--ro`, `--hide`, `--private-home` narrow it)",
+        "can",
+        "only what the agent user may",
+    ),
+    (
+        "reach the network",
+        "can, as you",
+        "can",
+        "can, as the agent user",
+    ),
+)
+
+
+def threat_table() -> list[str]:
+    """THREATS as the Markdown table README.md carries (tests/unit/test_docs.py checks)."""
+    lines = ["| " + " | ".join(THREAT_COLUMNS) + " |", "|---|---|---|---|"]
+    return lines + [("| " + " | ".join(row) + " |").replace("|  |", "| |") for row in THREATS]

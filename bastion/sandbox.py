@@ -78,6 +78,7 @@ SYSTEM_DEPUTIES = (
     "/var/spool/atjobs",
     "/run/screen",
 )
+NAMESPACE_WORDS = {"user": "user", "pid": "PID", "mnt": "mount", "ipc": "IPC"}
 PRIVATE_KEY_MARKS = (b"PRIVATE KEY", b"SSH2 ENCRYPTED PRIVATE KEY", b"PuTTY-User-Key-File")
 
 # Landlock (linux/landlock.h); the syscall numbers are the same on every architecture.
@@ -276,12 +277,13 @@ def namespaces_off() -> Unavailable | None:
             "turn them on: sudo sysctl -w kernel.unprivileged_userns_clone=1 (and in "
             "/etc/sysctl.d/ to keep it)",
         )
-    if _sysctl("user.max_user_namespaces") == "0":
-        return Unavailable(
-            "user namespaces are turned off (user.max_user_namespaces = 0)",
-            "turn them on: sudo sysctl -w user.max_user_namespaces=15000 (and in "
-            "/etc/sysctl.d/ to keep it)",
-        )
+    for kind in ("user", "pid", "mnt", "ipc"):
+        name = f"user.max_{kind}_namespaces"
+        if _sysctl(name) == "0":
+            return Unavailable(
+                f"{NAMESPACE_WORDS[kind]} namespaces are turned off ({name} = 0)",
+                f"turn them on: sudo sysctl -w {name}=15000 (and in /etc/sysctl.d/ to keep it)",
+            )
     if _sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1":
         return Unavailable(
             "AppArmor restricts unprivileged user namespaces "
