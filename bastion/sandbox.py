@@ -398,3 +398,25 @@ def prepare(
     root = (user[0] if user else os.geteuid()) == 0
     argv = (bwrap, *plan(layout, given, chdir=chdir, make_dir=make_dir, root=root))
     return Sandbox(argv, environment(env), landlock_abi())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Whether this machine can sandbox a run as this user, for `status` and `doctor`."""
+
+    unavailable: Unavailable | None  # None: a default `bastion run` gets its sandbox
+    landlock: int  # the kernel's Landlock ABI (scopes from 6)
+
+
+def machine(bwrap_path: str | None = None) -> Machine:
+    """Try it (one empty sandbox, about 3 ms); never raises."""
+    try:
+        preflight(find_bwrap(bwrap_path))
+        told = None
+    except Unavailable as exc:
+        told = exc
+    try:
+        abi = landlock_abi()
+    except OSError:
+        abi = 0
+    return Machine(told, abi)

@@ -191,6 +191,8 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Gateway state: vault, policy, isolation and what it guarantees, the listeners."""
+    from bastion.threat_model import threat_lines
+
     s = op(ctx, "status")
 
     def listener(h: dict[str, Any] | None) -> str:
@@ -223,6 +225,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"boot:      {s['boot_id']}",
             *witness_lines(s.get("witness")),
             *(f"WARNING {foreign_warning(span)}" for span in s.get("foreign_records") or []),
+            *threat_lines(s.get("threat_model") or {}),
         ]
         return "\n".join(escape_text(line) for line in lines)
 

@@ -117,7 +117,7 @@ def test_the_history_lives_in_the_changelog() -> None:
 def test_the_readme_carries_the_threat_model_status_prints() -> None:
     """One table, two places: `bastion status` prints `isolation.THREATS`, and the
     README's "The sandbox" section shows the same rows, word for word."""
-    from bastion.isolation import threat_table
+    from bastion.threat_model import threat_table
 
     lines = README.read_text().splitlines()
     table = threat_table()
