@@ -94,12 +94,15 @@ class Doors:
     answered with one JSON line."""
 
     identify: Callable[[socket.socket, Tenant], Awaitable[Peer]]
-    register: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[str]]
-    query: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[dict[str, Any]]]
+    register: Callable[[socket.socket, dict[str, Any], Tenant], Awaitable[str]]
+    query: Callable[[socket.socket, dict[str, Any], Tenant], Awaitable[dict[str, Any]]]
 
 
-async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, str]:
-    """The proxy's one line: which target (or, from `bastion run`, a registration)."""
+async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
+    """The proxy's one line: which target (or, from `bastion run`, a registration).
+    Every value is a string, but a run's `"sandbox"`: null, or `{"given": [words]}`
+    (what its sandbox was given beyond the defaults, for its cards), read here into
+    None or a tuple of strings (absent: an older client's run, not sandboxed)."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = await loop.sock_recv(sock, MAX_HEADER)
@@ -114,13 +117,16 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
         fields = loads_line(data[len(PROTOCOL) :])
     except ValueError as exc:
         raise ValueError(f"malformed header: {exc}") from None
-    if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
+    if not isinstance(fields, dict):
+        raise ValueError("malformed header")
+    sandbox = _sandbox_given(fields.pop("sandbox", None)) if "register" in fields else None
+    if not all(isinstance(v, str) for v in fields.values()):
         raise ValueError("malformed header")
     if "register" in fields:
         label = fields.get("label", "")
         if fields["register"] not in REGISTRATIONS or len(label) > 100 or not label.isprintable():
             raise ValueError("malformed registration")
-        return fields
+        return {**fields, "sandbox": sandbox}
     if "query" in fields:
         if fields["query"] not in QUERIES or not all(len(v) <= 200 for v in fields.values()):
             raise ValueError("malformed query")
@@ -128,6 +134,24 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
     if not fields.get("host") or not fields.get("user"):
         raise ValueError("header lacks host or user")
     return {"host": fields["host"].lower(), "user": fields["user"]}
+
+
+MAX_GIVEN = 32  # words a run's registration may say its sandbox was given
+
+
+def _sandbox_given(value: object) -> tuple[str, ...] | None:
+    """A registration's "sandbox" value: None, or what it was given, each word short
+    and printable (a card shows them), or refuse."""
+    if value is None:
+        return None
+    given = value.get("given") if isinstance(value, dict) and len(value) == 1 else None
+    if (
+        not isinstance(given, list)
+        or len(given) > MAX_GIVEN
+        or not all(isinstance(w, str) and len(w) <= 200 and w.isprintable() for w in given)
+    ):
+        raise ValueError("malformed registration: sandbox")
+    return tuple(given)
 
 
 class AgentListener:
