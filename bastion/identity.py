@@ -26,7 +26,7 @@ import secrets
 import select
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
@@ -37,6 +37,7 @@ from bastion.core.subject import (
     Observed,
     Peer,
     ProcessInfo,
+    Run,
     Subject,
     SubjectKind,
     subject_index,
@@ -117,15 +118,19 @@ class Resolver:
         self,
         wrappers: frozenset[str] = DEFAULT_WRAPPERS,
         terminal_hosts: frozenset[str] = DEFAULT_TERMINAL_HOSTS,
+        sandboxed: Callable[[int], bool] = lambda pid: False,
     ) -> None:
+        """`sandboxed(pid)`: is that process in other namespaces than the gateway's
+        (`procs.in_other_namespaces`; passed in, as procs reads through this module)."""
         self.wrappers = wrappers
+        self._sandboxed = sandboxed
         self.terminal_hosts = terminal_hosts
         self._hosts = name_matcher(terminal_hosts)
         self.hasher = ExeHasher()
         self.images = Images()
         self._nonces: dict[tuple[int, float], str] = {}
         self._identified = 0
-        self.runs: dict[tuple[int, float], str] = {}  # registered runs: (pid, start) -> label
+        self.runs: dict[tuple[int, float], Run] = {}  # registered runs: (pid, start) -> run
         # Registered fronts (`bastion mcp`): (pid, start) -> the exec image it was in then.
         self.fronts: dict[tuple[int, float], str] = {}
 
@@ -174,8 +179,10 @@ class Resolver:
         registered front counts while it is still in the exec it registered from."""
         if not info.exe:
             return False
-        if _exe_name(info) in self.wrappers:
-            return True
+        return _exe_name(info) in self.wrappers or self._is_front(info)
+
+    def _is_front(self, info: ProcessInfo) -> bool:
+        """A registered front, still in the exec it registered from."""
         front = self.fronts.get((info.pid, info.start_time))
         return front is not None and self.images.current(info.pid, info.start_time)[0] == front
 
@@ -194,6 +201,7 @@ class Resolver:
             ssh=name == "ssh",
             wrapper=self._is_wrapper(info),
             terminal_host=self._is_terminal_host(info),
+            front=bool(info.exe) and self._is_front(info),
         )
 
     def subject_index(self, chain: list[ProcessInfo]) -> tuple[int, SubjectKind]:
@@ -260,6 +268,7 @@ class Resolver:
             kind=kind,
             image=image,
             exec_watch=watch,
+            sandboxed=self._sandboxed(pid),
         )
         self._identified += 1
         if self._identified % _PRUNE_EVERY == 0:
@@ -301,13 +310,19 @@ class Resolver:
                 return i
         return None
 
-    def register_run(self, sock: socket.socket, label: str) -> ProcessInfo:
-        """Register the connecting process itself as a run. The kernel names
-        the process; the client can only ask for itself."""
+    def register_run(self, sock: socket.socket, run: Callable[[ProcessInfo], Run]) -> ProcessInfo:
+        """Register the connecting process itself as a run (`run` makes its record
+        from what was read). The kernel names the process; the client can only ask
+        for itself."""
         info = self._registrant(sock)
-        self.images.current(info.pid, info.start_time)  # the exec it registers from
-        self.runs[(info.pid, info.start_time)] = label
+        self.restore_run(info, run(info))
         return info
+
+    def restore_run(self, info: ProcessInfo, run: Run) -> None:
+        """`info` is the run `run`: registered now, or by an earlier gateway lifetime
+        (`lifetime.Gateway` re-registers the runs still alive at its start)."""
+        self.images.current(info.pid, info.start_time)  # the exec it registers from
+        self.runs[(info.pid, info.start_time)] = run
 
     def register_front(self, sock: socket.socket) -> ProcessInfo:
         """Register the connecting process as a front (`bastion mcp`): like a shell,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from bastion.cli.keys import key
 from bastion.cli.mcp import mcp
 from bastion.cli.run import run
 from bastion.cli.service import service
-from bastion.core.display import escape_text
+from bastion.core.display import describe_run, escape_text
 from bastion.core.events import foreign_warning
 from bastion.home import default_home
 
@@ -284,7 +285,9 @@ def decide(ctx: click.Context, card_id: str, answer: str) -> None:
 
 def _session_line(r: dict[str, Any]) -> str:
     s = r["subject"]
-    return escape_text(f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}")
+    line = escape_text(f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}")
+    run = describe_run(s, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["start_time"])))
+    return line if run is None else f"{line}  {run}"
 
 
 @main.command()

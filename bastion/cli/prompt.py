@@ -25,7 +25,7 @@ from typing import Any
 
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.statusline import status_line
-from bastion.core.display import escape_text
+from bastion.core.display import describe_run, escape_text
 from bastion.core.events import foreign_warning
 from bastion.core.subject import ExecWatch
 from bastion.opsock import OperatorError, call
@@ -106,9 +106,13 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         f"  asked by: pid {s['pid']}  {_shown(s['exe'])}"
         + (f"  ({_shown(s['kind'])})" if s.get("kind") else "")
         + (style.bad("  [executable deleted or replaced]") if s.get("exe_deleted") else ""),
-        f"            uid {s['uid']}, started {_when(s['start_time'])}"
-        + (f", run {_shown(s['run'])!r}" if s.get("run") else ""),
+        f"            uid {s['uid']}, started {_when(s['start_time'])}",
     ]
+    run = describe_run(s, _clock(s["start_time"]))
+    if run is not None:
+        lines.append(f"  run:      {run}")
+    elif s.get("sandboxed"):
+        lines.append("  sandbox:  the asking process is in another namespace than the gateway's")
     if s.get("exec_watch") == ExecWatch.NOTHING.value:
         lines.append(
             style.warn(
@@ -145,6 +149,14 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
 
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _clock(ts: float) -> str:
+    """A start time as a person reads it on a card: today's as the time only."""
+    when = time.localtime(ts)
+    if time.strftime("%Y-%m-%d", when) == time.strftime("%Y-%m-%d"):
+        return time.strftime("%H:%M:%S", when)
+    return _when(ts)
 
 
 CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it: the status line is redrawn

@@ -65,10 +65,8 @@ def _register(path: Path, label: str, given: list[str] | None) -> str:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
-        fields: dict[str, Any] = {"register": "run", "label": label, "sandbox": "off"}
-        if given is not None:
-            fields |= {"sandbox": "on", "given": given}
-        header = json.dumps(fields).encode()
+        box = None if given is None else {"given": given}
+        header = json.dumps({"register": "run", "label": label, "sandbox": box}).encode()
         sock.sendall(proxy_mod.PROTOCOL + header + b"\n")
         reply = proxy_mod.read_reply(sock).decode("utf-8", "replace").strip()
     except OSError as exc:

@@ -23,6 +23,10 @@ approves byte for byte: only printable ASCII stays as it is.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Mapping
+from typing import Any
+
+from bastion.core.subject import RUN_LABEL_CLAIM
 
 # The categories whose characters draw a glyph of their own and advance the cursor:
 # letters, numbers, punctuation, symbols. Not marks (M*: drawn over their neighbour),
@@ -106,3 +110,24 @@ def escape_command_marked(
         code = ord(ch)
         offset += 1 if 0xDC80 <= code <= 0xDCFF else len(ch.encode("utf-8", "surrogatepass"))
     return "".join(out), marks
+
+
+def describe_run(subject: Mapping[str, Any], started: str) -> str | None:
+    """What a card (and `bastion sessions`) says of a subject's run, from its JSON
+    (`Subject.as_json`), escaped; None when it is not a run. Whether it is sandboxed
+    is the kernel's word (the asking process's namespaces); its label and what it
+    was given are what its start said, and shown as that."""
+    run = subject.get("run_info")
+    if not isinstance(run, Mapping):
+        return None
+    label = escape_text(str(run.get("label", "")))
+    given = run.get("given")
+    head = f'run "{label}" ({RUN_LABEL_CLAIM}), started {escape_text(started)}'
+    if not subject.get("sandboxed"):
+        claimed = " (it registered as sandboxed)" if given is not None else ""
+        return f"{head} -- not sandboxed{claimed}"
+    if given is None:
+        words = "not said"
+    else:
+        words = ", ".join(escape_text(str(w)) for w in given) or "nothing beyond the defaults"
+    return f"sandboxed {head}, given: {words}"

@@ -129,6 +129,34 @@ class ExecWatch(enum.Enum):
     NOTHING = "nothing: every request asks"  # neither can be read: no approval outlives a request
 
 
+RUN_LABEL_CLAIM = "label given by the process that started it"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A registered run, as it registered: what the card says of it besides the
+    process. The label and `given` are what the starting process said (its claim,
+    shown as such); `lasting` names the run process for the whole kernel boot
+    (`procs.Lasting`), so a gateway restart finds it again and an ended approval's
+    reason is keyed by it."""
+
+    label: str
+    given: tuple[str, ...] | None  # what its sandbox was given beyond the defaults; None: none
+    lasting: str  # boot:pid:start ticks of the run process
+    registered_at: float
+    uid: int  # the run process's
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "label_source": RUN_LABEL_CLAIM,
+            "given": list(self.given) if self.given is not None else None,
+            "lasting": self.lasting,
+            "registered_at": self.registered_at,
+            "uid": self.uid,
+        }
+
+
 @dataclass(frozen=True)
 class Subject:
     """The process a person approves: identity of one live process in one
@@ -142,10 +170,13 @@ class Subject:
     exe_sha256: str | None
     uid: int
     nonce: str
-    run: str | None = None  # label of the registered run this subject is, if any
+    run: Run | None = None  # the registered run this subject is, if any
     kind: SubjectKind = SubjectKind.PROCESS
     image: str = ""  # the gateway's name for the exec this process is in (images.Images)
     exec_watch: ExecWatch | None = None  # how that exec was last shown to be current
+    # The connecting process is in another PID or user namespace than the gateway:
+    # a kernel fact read at identification (a sandboxed run's processes are).
+    sandboxed: bool = False
 
     @property
     def process_key(self) -> ProcessKey:
@@ -169,7 +200,9 @@ class Subject:
             "exe_sha256": self.exe_sha256,
             "exe_deleted": self.exe.endswith(" (deleted)"),
             "uid": self.uid,
-            "run": self.run,
+            "run": self.run.label if self.run is not None else None,
+            "run_info": self.run.as_json() if self.run is not None else None,
+            "sandboxed": self.sandboxed,
             "kind": self.kind.value,
             "image": self.image,
             "exec_watch": self.exec_watch.value if self.exec_watch else None,
@@ -198,6 +231,7 @@ class Observed:
     ssh: bool  # the ssh client
     wrapper: bool  # a shell or wrapper that acts for its parent
     terminal_host: bool  # hosts terminal sessions (tmux, sshd, a terminal, init)
+    front: bool = False  # a wrapper because it registered as a front (`bastion mcp`)
 
 
 @dataclass(frozen=True)
@@ -211,10 +245,22 @@ def subject_index(chain: Sequence[Observed]) -> tuple[int, SubjectKind] | NoSubj
     """Where the subject stands in the chain (peer first): above `ssh`, past shells
     and wrappers, but never inside a terminal host (tmux, sshd, a terminal, init):
     there the shell just below it is the subject. Approving a terminal host would
-    approve every session inside it."""
+    approve every session inside it.
+
+    A registered front skipped on the way to a terminal's shell refuses: a front
+    acts for the MCP client that started it, and a front started from a terminal
+    has none -- the shell is the operator's, and making it the subject would get
+    that pane refused at the operator socket."""
     start = next((i + 1 for i, p in enumerate(chain) if p.ssh), 0)
+    front = False
     for i in range(start, len(chain)):
         if chain[i].terminal_host:
+            if front:
+                return NoSubject(
+                    "a registered front (`bastion mcp`) above ssh was started from a "
+                    "terminal's shell, not by an MCP client: there is no agent to approve; "
+                    "start `bastion mcp` from the MCP client (or run ssh without it)"
+                )
             if i == start:
                 return NoSubject(
                     f"ssh was started directly by {chain[i].name or 'pid 1'}, a "
@@ -224,4 +270,5 @@ def subject_index(chain: Sequence[Observed]) -> tuple[int, SubjectKind] | NoSubj
             return i - 1, SubjectKind.TERMINAL_SHELL
         if not chain[i].wrapper:
             return i, SubjectKind.PROCESS
+        front = front or chain[i].front
     return NoSubject("no process above the ssh client could be identified")

@@ -25,13 +25,14 @@ import concurrent.futures
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from bastion.core.events import EventType, bound_action
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.refusals import Fact, answer
-from bastion.core.subject import Peer, Subject, SubjectKind
+from bastion.core.subject import Peer, ProcessInfo, Run, Subject, SubjectKind
 from bastion.gateway import procs
 from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.agent_ssh import Doors
@@ -58,6 +59,8 @@ class GatewayView(Protocol):
     same_uid_agent_seen: bool
 
     def watch(self, subject: Subject) -> None: ...
+
+    def save_runs(self) -> None: ...
 
 
 class AgentDoors:
@@ -105,11 +108,12 @@ class AgentDoors:
             self.gw.same_uid_agent_seen = True
         return peer
 
-    async def register(self, sock: socket.socket, header: dict[str, str], tenant: Tenant) -> str:
+    async def register(self, sock: socket.socket, header: dict[str, Any], tenant: Tenant) -> str:
         """`bastion run`: the connecting process becomes one subject for its whole
-        tree, for as long as it lives; registering again is the run it already is
-        (the same id, its first label, nothing written). `bastion mcp`: the
-        connecting process acts for its parent, as a shell would."""
+        tree, for as long as it lives (and past a gateway restart: `runs.json`);
+        registering again is the run it already is (the same id, its first label,
+        nothing written). `bastion mcp`: the connecting process acts for its
+        parent, as a shell would."""
         resolver = self.gw.resolver
         if header["register"] == "front":
             info = await self._walk(tenant, resolver.register_front, sock)
@@ -120,8 +124,14 @@ class AgentDoors:
         if run is not None:  # the run it already is: no new record, no new watch
             return f"run_{resolver.nonce_for(run.pid, run.start_time)}"
         key = self.tenants.reserve(pid, uid)
+
+        def record(info: ProcessInfo) -> Run:
+            lasting = procs.Lasting(procs.kernel_boot(), info.pid, key[1])
+            label, given = header.get("label", ""), header.get("sandbox")
+            return Run(label, given, lasting.text(), time.time(), info.uid)
+
         try:
-            info = await self._walk(tenant, resolver.register_run, sock, header.get("label", ""))
+            info = await self._walk(tenant, resolver.register_run, sock, record)
             now = procs.stat(pid)
             if info.pid != pid or now is None or now.start_ticks != key[1]:
                 resolver.forget(info.pid, info.start_time)
@@ -129,24 +139,16 @@ class AgentDoors:
         except BaseException:
             self.tenants.cancel(key)
             raise
-        subject = Subject(
-            info.pid,
-            info.start_time,
-            info.exe,
-            info.exe_sha256,
-            info.uid,
-            resolver.nonce_for(info.pid, info.start_time),
-            header.get("label", ""),
-            SubjectKind.RUN,
-        )
+        subject = run_subject(info, resolver.runs[(info.pid, info.start_time)], resolver)
         self.tenants.add(key, subject)
         self.gw.watch(subject)  # its exit gives the share back (`Gateway._subject_exited`)
+        self.gw.save_runs()
         self.gw.recorder.record(EventType.RUN_REGISTERED, {}, {"subject": subject.as_json()})
-        log.info("run registered: pid %d %r (%s)", info.pid, subject.run, info.exe)
+        log.info("run registered: pid %d %r (%s)", info.pid, header.get("label", ""), info.exe)
         return f"run_{subject.nonce}"
 
     async def query(
-        self, sock: socket.socket, header: dict[str, str], tenant: Tenant
+        self, sock: socket.socket, header: dict[str, Any], tenant: Tenant
     ) -> dict[str, Any]:
         """`hosts`, or `request` by id (the id is the capability: no walk) or by
         action key (only the subject that sent the key can name it: one walk)."""
@@ -171,6 +173,20 @@ class AgentDoors:
                 f"{request_id}`"
             )
         return state
+
+
+def run_subject(info: ProcessInfo, run: Run, resolver: Resolver) -> Subject:
+    """The subject a run process is, as registered (by this lifetime or an earlier one)."""
+    return Subject(
+        info.pid,
+        info.start_time,
+        info.exe,
+        info.exe_sha256,
+        info.uid,
+        resolver.nonce_for(info.pid, info.start_time),
+        run,
+        SubjectKind.RUN,
+    )
 
 
 def hosts_view(policy: Policy | PolicyError) -> dict[str, Any]:

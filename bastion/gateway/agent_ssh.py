@@ -86,9 +86,6 @@ REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
 QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
 
 
-MAX_GIVEN = 32  # items a run's registration may say it was given
-
-
 @dataclass(frozen=True)
 class Doors:
     """What an agent connection may ask besides SSH (`agent_doors.py`), each given
@@ -97,12 +94,15 @@ class Doors:
     answered with one JSON line."""
 
     identify: Callable[[socket.socket, Tenant], Awaitable[Peer]]
-    register: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[str]]
-    query: Callable[[socket.socket, dict[str, str], Tenant], Awaitable[dict[str, Any]]]
+    register: Callable[[socket.socket, dict[str, Any], Tenant], Awaitable[str]]
+    query: Callable[[socket.socket, dict[str, Any], Tenant], Awaitable[dict[str, Any]]]
 
 
-async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, str]:
-    """The proxy's one line: which target (or, from `bastion run`, a registration)."""
+async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any]:
+    """The proxy's one line: which target (or, from `bastion run`, a registration).
+    Every value is a string, but a run's `"sandbox"`: null, or `{"given": [words]}`
+    (what its sandbox was given beyond the defaults, for its cards), read here into
+    None or a tuple of strings (absent: an older client's run, not sandboxed)."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = await loop.sock_recv(sock, MAX_HEADER)
@@ -119,10 +119,14 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
         raise ValueError(f"malformed header: {exc}") from None
     if not isinstance(fields, dict):
         raise ValueError("malformed header")
-    if "register" in fields:
-        return _registration(fields)
+    sandbox = _sandbox_given(fields.pop("sandbox", None)) if "register" in fields else None
     if not all(isinstance(v, str) for v in fields.values()):
         raise ValueError("malformed header")
+    if "register" in fields:
+        label = fields.get("label", "")
+        if fields["register"] not in REGISTRATIONS or len(label) > 100 or not label.isprintable():
+            raise ValueError("malformed registration")
+        return {**fields, "sandbox": sandbox}
     if "query" in fields:
         if fields["query"] not in QUERIES or not all(len(v) <= 200 for v in fields.values()):
             raise ValueError("malformed query")
@@ -132,27 +136,22 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
     return {"host": fields["host"].lower(), "user": fields["user"]}
 
 
-def _registration(fields: dict[str, Any]) -> dict[str, str]:
-    """`{"register": "run"|"front", "label": L, "sandbox": "on"|"off", "given": [words]}`:
-    `given` (what a sandboxed run was given beyond the defaults, for its cards) comes back
-    one item a line; a client that sends no `sandbox` is not sandboxed."""
-    given = fields.pop("given", [])
+MAX_GIVEN = 32  # words a run's registration may say its sandbox was given
+
+
+def _sandbox_given(value: object) -> tuple[str, ...] | None:
+    """A registration's "sandbox" value: None, or what it was given, each word short
+    and printable (a card shows them), or refuse."""
+    if value is None:
+        return None
+    given = value.get("given") if isinstance(value, dict) and len(value) == 1 else None
     if (
         not isinstance(given, list)
         or len(given) > MAX_GIVEN
-        or not all(isinstance(g, str) and 0 < len(g) <= 300 and g.isprintable() for g in given)
-        or not all(isinstance(v, str) for v in fields.values())
+        or not all(isinstance(w, str) and len(w) <= 200 and w.isprintable() for w in given)
     ):
-        raise ValueError("malformed registration")
-    label = fields.get("label", "")
-    if (
-        fields["register"] not in REGISTRATIONS
-        or len(label) > 100
-        or not label.isprintable()
-        or fields.get("sandbox", "off") not in ("on", "off")
-    ):
-        raise ValueError("malformed registration")
-    return {**fields, "sandbox": fields.get("sandbox", "off"), "given": "\n".join(given)}
+        raise ValueError("malformed registration: sandbox")
+    return tuple(given)
 
 
 class AgentListener:

@@ -42,13 +42,23 @@ class _Live:
     conversation: str | None
 
 
-def _match_key(exe: str, conversation: str | None, host: str, user: str) -> str:
+def _who(subject: Subject) -> str:
+    """Who 'the same agent' is for explaining a card: a registered run is itself
+    (its lasting name: that run process in this kernel boot, whatever its label or
+    the executable it runs), any other subject its executable."""
+    if subject.run is not None:
+        return "run\0" + subject.run.lasting
+    return subject.exe
+
+
+def _match_key(subject: Subject, conversation: str | None, host: str, user: str) -> str:
     """Which later subject counts as 'the same agent' for explaining a new
-    card: same executable, same conversation ref, same host and account.
-    It explains; it never authorises. Hashed, because it outlives the
-    gateway (see `live_match_keys`) and a conversation ref is the agent's text.
-    Encoded with surrogateescape: a path is bytes, and may not be UTF-8."""
-    joined = "\0".join((exe, conversation or "", host.lower(), user))
+    card: the same run (`_who`) or else the same executable, same conversation
+    ref, same host and account. It explains; it never authorises. Hashed,
+    because it outlives the gateway (see `live_match_keys`) and a conversation
+    ref is the agent's text. Encoded with surrogateescape: a path is bytes, and
+    may not be UTF-8."""
+    joined = "\0".join((_who(subject), conversation or "", host.lower(), user))
     return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
 
@@ -159,7 +169,7 @@ class ApprovalBook:
         self._sessions[(card.subject.key, card.host.lower(), user)] = _Live(
             grant, card.subject, card.conversation
         )
-        self._ended.pop(_match_key(card.subject.exe, card.conversation, card.host, user), None)
+        self._ended.pop(_match_key(card.subject, card.conversation, card.host, user), None)
         if self.on_session is not None:
             self.on_session(grant, card.subject, None)
         return grant
@@ -185,12 +195,12 @@ class ApprovalBook:
             ids = {old.grant.id for old in stale}
             self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
             for old in stale:  # its next card for those entries, under the new exe, says why
-                key = _match_key(subject.exe, old.conversation, old.grant.host, old.grant.user)
+                key = _match_key(subject, old.conversation, old.grant.host, old.grant.user)
                 self._ended[key] = EndReason.PROCESS_CHANGED
             here = (host.lower(), user)
             if any((old.grant.host.lower(), old.grant.user) == here for old in stale):
                 return None, EndReason.PROCESS_CHANGED
-        return None, self._ended.get(_match_key(subject.exe, conversation, host, user))
+        return None, self._ended.get(_match_key(subject, conversation, host, user))
 
     def sessions(self) -> list[tuple[SessionGrant, Subject]]:
         return [(live.grant, live.subject) for live in self._sessions.values()]
@@ -202,9 +212,7 @@ class ApprovalBook:
             if pred(live.grant):
                 del self._sessions[key]
                 g = live.grant
-                self._ended[_match_key(live.subject.exe, live.conversation, g.host, g.user)] = (
-                    reason
-                )
+                self._ended[_match_key(live.subject, live.conversation, g.host, g.user)] = reason
                 ended.append(g.id)
                 self._command_grants = {
                     c: cg for c, cg in self._command_grants.items() if cg.session_id != g.id
@@ -217,7 +225,7 @@ class ApprovalBook:
         """What a later gateway lifetime needs to say `gateway_restarted`."""
         return sorted(
             {
-                _match_key(live.subject.exe, live.conversation, live.grant.host, live.grant.user)
+                _match_key(live.subject, live.conversation, live.grant.host, live.grant.user)
                 for live in self._sessions.values()
             }
         )

@@ -9,8 +9,9 @@ too), the agent listener (`agent_ssh.py`) and the operator socket
 (`control.py`). `control` and `agent_doors` each read the `Gateway` through a
 `GatewayView` of their own: one object, two narrow views. It owns what
 touches the operating system around them: pidfds that say when an approved
-process exits, `lifetime.json` for the next lifetime's cards, journal
-the journal's vouch, the two sockets, and the witness bastion.toml asks for
+process exits, `lifetime.json` for the next lifetime's cards, `runs.json` for
+the next lifetime's runs (a run outlives a gateway restart), the journal's
+vouch, the two sockets, and the witness bastion.toml asks for
 (`witness.py`; a bad bastion.toml stops the start).
 """
 
@@ -45,10 +46,10 @@ from bastion.core.defaults import (
 )
 from bastion.core.events import EventType, recover
 from bastion.core.policy import PolicyError
-from bastion.core.subject import Peer, ProcessKey, Subject
-from bastion.gateway import opserver
+from bastion.core.subject import Peer, ProcessInfo, ProcessKey, Run, Subject
+from bastion.gateway import opserver, procs
 from bastion.gateway.admission import Admission
-from bastion.gateway.agent_doors import AgentDoors
+from bastion.gateway.agent_doors import AgentDoors, run_subject
 from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.assembly import build_service
@@ -63,6 +64,7 @@ from bastion.home import Home
 from bastion.identity import (
     DEFAULT_TERMINAL_HOSTS,
     DEFAULT_WRAPPERS,
+    IdentityError,
     Resolver,
     alive,
     children,
@@ -114,7 +116,9 @@ class Gateway:
         self.boot_id = "boot_" + secrets.token_hex(12)
         self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
         self.resolver = Resolver(
-            DEFAULT_WRAPPERS | settings.wrappers, DEFAULT_TERMINAL_HOSTS | settings.terminal_hosts
+            DEFAULT_WRAPPERS | settings.wrappers,
+            DEFAULT_TERMINAL_HOSTS | settings.terminal_hosts,
+            procs.in_other_namespaces,
         )
         identity = read_identity(self.home.journal, identity_pin(self.vault))
         self.journal = Journal(self.home.journal, identity, self.boot_id)
@@ -281,8 +285,90 @@ class Gateway:
             asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
         self.authority.subject_exited(subject)
+        was_run = (subject.pid, subject.start_time) in self.resolver.runs
         self.resolver.forget(subject.pid, subject.start_time)
         self.tenants.forget(subject.pid, subject.start_time)  # a run's share goes back
+        if was_run:
+            self.save_runs()
+
+    # -- runs that outlive a lifetime ------------------------------------------------------
+
+    @property
+    def runs_file(self) -> Path:
+        """The live registered runs, so the next lifetime knows them (never a grant)."""
+        return self.home.operator_dir / "runs.json"
+
+    def save_runs(self) -> None:
+        """Write every live run (atomic replace): what `restore_runs` reads next time."""
+        entries = []
+        for (pid, start), run in self.resolver.runs.items():
+            boot, _, ticks = run.lasting.rsplit(":", 2)
+            entries.append(
+                {
+                    "boot": boot,
+                    "pid": pid,
+                    "start_ticks": int(ticks),
+                    "start_time": start,
+                    "uid": run.uid,
+                    "label": run.label,
+                    "given": list(run.given) if run.given is not None else None,
+                    "registered_at": run.registered_at,
+                }
+            )
+        _write_private(self.runs_file, {"runs": entries}, "the live runs")
+
+    def restore_runs(self) -> int:
+        """Re-register each run an earlier lifetime saved that is still the same
+        process (this kernel boot, same pid and start ticks, same uid): a new nonce
+        (its approvals ended with that lifetime: `gateway_restarted`), a watch, its
+        tenant. A run that outlived a gateway SIGKILL stays a run: its ssh is still
+        the run's subject, its processes still refused at the operator socket."""
+        try:
+            doc = json.loads(self.runs_file.read_text())
+            entries = [e for e in doc["runs"] if isinstance(e, dict)]
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        restored = 0
+        for e in entries:
+            try:
+                info = self._same_run(e)
+            except (IdentityError, KeyError, TypeError, ValueError):
+                info = None
+            if info is None:
+                continue
+            given = e["given"]
+            run = Run(
+                str(e["label"]),
+                tuple(str(w) for w in given) if isinstance(given, list) else None,
+                procs.Lasting(procs.kernel_boot(), info.pid, int(e["start_ticks"])).text(),
+                float(e["registered_at"]),
+                info.uid,
+            )
+            self.resolver.restore_run(info, run)
+            subject = run_subject(info, run, self.resolver)
+            self.tenants.add((info.pid, int(e["start_ticks"])), subject)
+            self.watch(subject)
+            self.recorder.record(
+                EventType.RUN_REGISTERED, {}, {"subject": subject.as_json(), "restored": True}
+            )
+            log.info("run restored: pid %d %r (%s)", info.pid, run.label, info.exe)
+            restored += 1
+        self.save_runs()
+        return restored
+
+    def _same_run(self, e: dict[str, Any]) -> ProcessInfo | None:
+        """The saved run's process as it is now, if it is still that very process."""
+        pid, ticks = int(e["pid"]), int(e["start_ticks"])
+        if e["boot"] != procs.kernel_boot():
+            return None
+        now = procs.stat(pid)
+        if now is None or now.start_ticks != ticks:
+            return None
+        info = self.resolver.read_process(pid)
+        st = procs.stat(pid)
+        if st is None or st.start_ticks != ticks or info.uid != int(e["uid"]):
+            return None
+        return info
 
     # -- what the next lifetime may know ---------------------------------------------------
 
@@ -297,14 +383,7 @@ class Gateway:
 
     def _save_lifetime(self) -> None:
         doc = {"boot_id": self.boot_id, "live_match_keys": self.book.live_match_keys()}
-        tmp = self.home.lifetime.with_suffix(".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.home.lifetime)
-        except OSError as exc:
-            log.warning("could not record live approvals for the next lifetime: %s", exc)
+        _write_private(self.home.lifetime, doc, "live approvals")
 
     # -- the lifetime ------------------------------------------------------------------------
 
@@ -324,6 +403,7 @@ class Gateway:
         self.requests.load(found)  # before recovery closes what they left open
         self.service.recover(recover(found))
         self.foreign.found(found, self.journal.identity)
+        self.restore_runs()  # before either socket: a restored run is known from the start
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stop)
         control = Control(self)
@@ -400,6 +480,18 @@ class Gateway:
             w.buffer_max,
             w.when_full,
         )
+
+
+def _write_private(path: Path, doc: dict[str, Any], what: str) -> None:
+    """`doc` as JSON at `path` (0600), replaced whole: a reader sees the old or the new."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not record %s for the next lifetime: %s", what, exc)
 
 
 def agent_listen_socket(settings: Settings) -> socket.socket:

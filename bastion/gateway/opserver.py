@@ -1,10 +1,11 @@
 """The operator socket, server side: the only door a person's decisions come through.
 
 Its guard is `core/opguard.admit`: the peer must have the daemon's uid (or be
-root), and must not descend from any process the gateway knows as an agent --
-so an agent cannot approve itself even when it runs as the same user. This
-module only observes the peer for it (`observe`: the kernel's uid, the walk up
-the process tree). What each request does is `control.py`'s business.
+root), must not be inside a sandbox (another PID or user namespace than the
+gateway's), and must not descend from any process the gateway knows as an
+agent -- so an agent cannot approve itself even when it runs as the same user.
+This module only observes the peer for it (`observe`: the kernel's uid, its
+namespaces, the walk up the process tree). What each request does is `control.py`'s business.
 
 Every line gets one JSON answer: a request too long, nested too deeply, not
 JSON, naming no known op, or with arguments of the wrong type is answered
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core import opguard
+from bastion.gateway.procs import in_other_namespaces
 from bastion.identity import descends_from, peer_credentials
 from bastion.opsock import MAX_LINE, OperatorError, loads_line
 
@@ -108,10 +110,12 @@ def failure_kind(exc: BaseException) -> str:
 
 
 def observe(sock: socket.socket, agent_processes: set[tuple[int, float]]) -> opguard.Caller:
-    """What `opguard.admit` decides on: the peer's uid, and whether it (or an
-    ancestor) is one of `agent_processes`. Observed, not judged."""
+    """What `opguard.admit` decides on: the peer's uid, whether it lives in other
+    namespaces than the gateway (a sandbox), and whether it (or an ancestor) is one
+    of `agent_processes`. Observed, not judged."""
     pid, uid, _ = peer_credentials(sock)
-    return opguard.Caller(uid, descends_from(pid, agent_processes))
+    sandboxed = pid <= 0 or in_other_namespaces(pid)
+    return opguard.Caller(uid, sandboxed, descends_from(pid, agent_processes))
 
 
 class OperatorServer:

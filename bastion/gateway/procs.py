@@ -1,5 +1,5 @@
 """What the gateway reads of a process besides the identity walk: one line of
-/proc/PID/stat and the kernel's boot id.
+/proc/PID/stat, the kernel's boot id, and the namespaces a process lives in.
 
 `identity.py` walks a peer's whole chain with psutil (about 0.15 ms a process)
 to decide who is asking. Two things need less, and need it where that walk is
@@ -14,11 +14,21 @@ names one process for the whole life of one kernel boot, whatever the wall
 clock does (the start time `identity.py` reports is built on /proc/stat's
 btime, which moves when the clock is stepped) and whichever gateway lifetime
 reads it.
+
+**Sandboxed** means: in another PID or user namespace than the gateway's own
+(`in_other_namespaces`). That is what `bastion run` makes (bubblewrap), and a
+fact the kernel keeps, so it holds whether or not this gateway lifetime saw the
+run register. The links under /proc/PID/ns need ptrace-read access (a gateway
+that is not root cannot read another uid's, root's among them); then the
+world-readable `NSpid` line of /proc/PID/status (one pid per PID namespace
+level) and /proc/PID/uid_map (shown relative to the reader's user namespace)
+decide. Where none of it can be read, the answer is "sandboxed": closed.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +38,7 @@ from bastion.identity import alive
 from bastion.images import stat_fields
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+NAMESPACES = ("pid", "user")  # a run's sandbox has its own of both
 
 
 @dataclass(frozen=True)
@@ -84,3 +95,33 @@ def owner(subject: Subject) -> str:
     if name is None or not alive(subject.pid, subject.start_time):
         return "gone:" + secrets.token_hex(8)
     return name.text()
+
+
+def in_other_namespaces(pid: int) -> bool:
+    """Is `pid` in another PID or user namespace than this process (or can that not
+    be read)? Closed: a process whose namespaces cannot be read counts as in another."""
+    try:
+        return any(
+            os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
+            for ns in NAMESPACES
+        )
+    except OSError:
+        pass  # not ours to ptrace-read (another uid, root): what anyone may read decides
+    try:
+        return _pid_depth(pid) != _pid_depth("self") or _uid_map(pid) != _uid_map("self")
+    except (OSError, ValueError):
+        return True
+
+
+def _pid_depth(pid: int | str) -> int:
+    """How many PID namespaces `pid` is nested in, as /proc/PID/status's NSpid says."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"NSpid:"):
+                return len(line.split()) - 1
+    raise ValueError("no NSpid line")
+
+
+def _uid_map(pid: int | str) -> list[list[bytes]]:
+    with open(f"/proc/{pid}/uid_map", "rb") as f:
+        return [line.split() for line in f]

@@ -20,7 +20,7 @@ from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.events import EventType, Outcome, Result, recover
 from bastion.core.gate import Channel, Request
 from bastion.core.policy import PolicyError
-from bastion.core.subject import SubjectKind
+from bastion.core.subject import Run, SubjectKind
 from bastion.gateway import authority as authority_mod
 from bastion.gateway.admission import Admission
 from bastion.gateway.approvals import CardError
@@ -465,7 +465,12 @@ async def test_a_uid_cannot_bury_the_operator_in_cards(rig: Rig) -> None:
 def run_conn(rig: Rig, uid: int = 0) -> AgentConn:
     """A connection whose subject is a registered run (an isolated one is root's)."""
     agent = rig.tree.spawn("/usr/bin/python3")
-    subject = replace(agent.subject(), uid=uid, run="agents", kind=SubjectKind.RUN)
+    subject = replace(
+        agent.subject(),
+        uid=uid,
+        run=Run("agents", None, f"b:{uid}:1", 0.0, uid),
+        kind=SubjectKind.RUN,
+    )
     peer = replace(agent.peer(), subject=subject)
     conn = AgentConn(peer, "web1", "deploy")
     rig.life.service.connection_opened(conn)
