@@ -136,8 +136,9 @@ def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
     """Run argv as this process's child; return its exit code (128+N for signal N).
 
     This process is the child subreaper of the tree, so whatever the agent
-    detaches (double fork, setsid) stays below it; SIGINT, SIGTERM and SIGHUP
-    are passed on (in a sandbox, to the agent's processes, not to bwrap); when
+    detaches (double fork, setsid) stays below it; SIGINT, SIGTERM, SIGHUP and
+    SIGWINCH are passed on (in a sandbox, to the agent's processes, not to bwrap;
+    a terminal's Ctrl-Z stops the run with this process, `fg` resumes both); when
     the child exits, the rest of the tree is ended and reaped: nothing the
     agent started outlives the registered run."""
     import signal
@@ -151,15 +152,27 @@ def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
         fail(f"cannot start {argv[0]}: {getattr(exc, 'strerror', None) or exc}", 127)
     reaped = False
 
-    def forward(n: int, _frame: object) -> None:
+    def send(n: int) -> None:
         if reaped:  # until then the pid is the child's (alive or a zombie)
             return
         for pid in (_sandboxed(child.pid) if sandboxed else []) or [child.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, n)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    def forward(n: int, _frame: object) -> None:
+        send(n)
+
+    def suspend(_n: int, _frame: object) -> None:
+        # Ctrl-Z reaches this process only (the run has a session of its own): stop the
+        # run with it, so it does not read the terminal while the shell does; fg goes on.
+        send(signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        send(signal.SIGCONT)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGWINCH):
         signal.signal(sig, forward)
+    if sandboxed:
+        signal.signal(signal.SIGTSTP, suspend)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == child.pid:

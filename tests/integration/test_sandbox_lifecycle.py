@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import Bastion, cli_argv, wait_for
+from tests.harness import Bastion, Terminal, cli_argv, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -141,3 +142,37 @@ def test_without_the_sandbox_a_sigkill_lets_the_tree_outlive_the_run(
     run.wait(timeout=30)
     wait_for(lambda: marker.exists() and marker.read_text().count("\n") == 2, timeout=30)
     subprocess.run(["pkill", "-f", str(tmp_path / "ready")], check=False)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_terminals_ctrl_z_and_ctrl_c_reach_the_run(bastion: Bastion, tmp_path: Path) -> None:
+    """The run has a session of its own (so no TIOCSTI into the operator's terminal), so
+    the terminal's job control signals reach `bastion run` alone: Ctrl-Z stops the run
+    with it and `fg` resumes both; Ctrl-C ends the agent."""
+    ready = tmp_path / "ready"
+    run = shlex.join(
+        cli_argv(bastion.home.root, "run", "--", "sh", "-c", f"echo $$ > {ready}; exec sleep 300")
+    )
+    term = Terminal(["setsid", "--ctty", "bash", "--norc", "--noprofile", "-i"])
+    try:
+        term.type(f"PS1='$ '; {run}\n")
+        wait_for(lambda: ready.exists() and ready.read_text().strip(), timeout=30)
+        sleeper = next(
+            p.pid
+            for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["cmdline"] == ["sleep", "300"]
+        )
+        term.type("\x1a")  # Ctrl-Z
+        wait_for(lambda: _state(sleeper) == "T", timeout=30)
+        term.expect("Stopped")
+        term.type("fg\n")
+        wait_for(lambda: _state(sleeper) in ("S", "R"), timeout=30)
+        term.type("\x03")  # Ctrl-C
+        wait_for(lambda: not psutil.pid_exists(sleeper), timeout=30)
+        term.type("echo rc=$?\n")
+        term.expect("rc=130")
+    finally:
+        term.close()
