@@ -11,25 +11,35 @@ positive controls here (the run's own clients run) failed there.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.harness import Agent, Bastion, Result
+from tests.harness import Agent, Bastion, Result, wait_for
 
+# Control sockets live where every process sees them (a run's /tmp is its own), on a
+# short path: a unix socket path has at most 107 bytes.
+SHORT = "/var/tmp/bt"
 pytestmark = pytest.mark.skipif(not Path("/usr/bin/ssh").exists(), reason="no /usr/bin/ssh")
 
 
-def run_agent(b: Bastion, label: str) -> Agent:
-    """A long-lived agent started by `bastion run` (its pid is the run's)."""
+MODES = [pytest.param((), id="sandboxed"), pytest.param(("--no-sandbox",), id="no-sandbox")]
+
+
+def run_agent(b: Bastion, label: str, flags: tuple[str, ...] = ()) -> Agent:
+    """A long-lived agent started by `bastion run` (its pid is the run's): in a sandbox
+    of its own by default (`flags` may say --no-sandbox)."""
     cli = (sys.executable, "-m", "bastion.cli", "--home", str(b.home.root))
-    agent = Agent(b.config, launcher=(*cli, "run", "--label", label, "--"))
+    agent = Agent(b.config, launcher=(*cli, "run", *flags, "--label", label, "--"))
     b.agents.append(agent)
     return agent
 
@@ -44,8 +54,9 @@ def approved(b: Bastion, agent: Agent) -> Agent:
 
 @contextlib.contextmanager
 def control_dir() -> Iterator[Path]:
-    """A short directory for control sockets (a unix socket path has at most 107 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))
+    """A short directory for control sockets, outside the runs' private /tmp."""
+    os.makedirs(SHORT, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix="mx", dir=SHORT))
     try:
         yield d
     finally:
@@ -82,8 +93,9 @@ def assert_outsider_refused(result: Result) -> None:
     assert "Nothing was sent" in message
 
 
-def test_a_runs_own_processes_share_its_master(bastion: Bastion) -> None:
-    a = approved(bastion, run_agent(bastion, "mux-a"))
+@pytest.mark.parametrize("flags", MODES)
+def test_a_runs_own_processes_share_its_master(bastion: Bastion, flags: tuple[str, ...]) -> None:
+    a = approved(bastion, run_agent(bastion, "mux-a", flags))
     with control_dir() as d:
         cp = d / "a"
         master = ["-M", "-S", str(cp), "-o", "ControlPersist=60", "-N", "-f"]
@@ -112,13 +124,16 @@ def test_a_master_running_its_own_command_carries_the_runs_next_ones(bastion: Ba
         assert master_pid(cp) == pid
 
 
-def test_no_one_outside_the_run_rides_its_master(bastion: Bastion, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", MODES)
+def test_no_one_outside_the_run_rides_its_master(
+    bastion: Bastion, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
     """The same client argv: from inside run A it runs (the positive control); from a
     process outside every run, and from run B, it is refused and nothing runs; B's
     own command asks B's own card -- A's approval covers nothing B sends."""
-    a = approved(bastion, run_agent(bastion, "mux-a"))
+    a = approved(bastion, run_agent(bastion, "mux-a", flags))
     outside = bastion.agent()
-    b = run_agent(bastion, "mux-b")
+    b = run_agent(bastion, "mux-b", flags)
     by_outside, by_b = tmp_path / "by-outside", tmp_path / "by-b"
     with control_dir() as d:
         cp = d / "a"
@@ -184,7 +199,7 @@ def test_ansible_ad_hoc_with_default_settings_runs_inside_one_run(
     env = {
         "ANSIBLE_HOME": str(tmp_path / "ah"),
         "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ah" / "tmp"),
-        "ANSIBLE_SSH_CONTROL_PATH_DIR": tempfile.mkdtemp(prefix="acp", dir="/tmp"),
+        "ANSIBLE_SSH_CONTROL_PATH_DIR": tempfile.mkdtemp(prefix="acp", dir=SHORT),
         "ANSIBLE_HOST_KEY_CHECKING": "False",
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_FORCE_COLOR": "0",
@@ -213,3 +228,110 @@ def test_ansible_ad_hoc_with_default_settings_runs_inside_one_run(
     # One master (ControlPersist) carried all of it, and nobody was asked again.
     assert len(masters) == 1 and None not in masters, masters
     assert bastion.op("pending") == []
+
+
+# -- a gateway that is not root ---------------------------------------------------------------
+
+SBXTEST = 1001  # the machine's unprivileged test user (tests run as root)
+RUN_TREE = """
+import os, socket, subprocess, sys, time
+d = sys.argv[1]
+if sys.argv[2] == "run":  # the run's root: a master and a client below it
+    m = subprocess.Popen([d + "/ssh", __file__, d, "master"], stdout=subprocess.PIPE)
+    assert m.stdout.readline() == b"listening\\n"
+    c = subprocess.Popen([sys.executable, __file__, d, "client"], stdout=subprocess.PIPE)
+    assert c.stdout.readline() == b"connected\\n"
+    print("ready", flush=True)
+    time.sleep(600)
+elif sys.argv[2] == "master":  # holds the gateway's connection, serves a control socket
+    conn = socket.socket(socket.AF_UNIX); conn.connect(d + "/gw")
+    ctl = socket.socket(socket.AF_UNIX); ctl.bind(d + "/cp"); ctl.listen(8)
+    print("listening", flush=True)
+    held = []
+    while True:
+        held.append(ctl.accept()[0])
+else:  # a mux client
+    s = socket.socket(socket.AF_UNIX); s.connect(d + "/cp")
+    print("connected", flush=True)
+    time.sleep(600)
+"""
+READER = """
+import json, sys
+from bastion.gateway.mux import mux_clients
+view = mux_clients(int(sys.argv[1]), int(sys.argv[2]), 0)
+print(json.dumps([view.in_run, view.seen]))
+"""
+
+
+def read_as_sbxtest(run_pid: int, inode: int) -> tuple[bool | None, str]:
+    """`mux.mux_clients` in a process of uid 1001, as a gateway that is not root runs it."""
+    r = subprocess.run(
+        ["/usr/bin/python3", "-c", READER, str(run_pid), str(inode)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=SBXTEST,
+        group=SBXTEST,
+        env={"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": "/usr/bin:/bin"},
+    )
+    assert r.returncode == 0, r.stderr
+    in_run, seen = json.loads(r.stdout)
+    return in_run, seen
+
+
+BWRAP = ["/usr/bin/bwrap", "--unshare-user", "--unshare-pid", "--die-with-parent"]
+BWRAP += ["--dev-bind", "/", "/", "--"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start processes as uid 1001")
+@pytest.mark.parametrize(
+    "tree_uid,box",
+    [(SBXTEST, []), (SBXTEST, BWRAP), (0, [])],
+    ids=["same-uid", "same-uid-in-a-user-namespace", "other-uid"],
+)
+def test_the_reader_needs_no_root_for_its_own_uid(
+    tmp_path: Path, tree_uid: int, box: list[str]
+) -> None:
+    """A gateway of uid 1001 reads a run of its own uid (a sandboxed run: the gateway's uid
+    in a child user namespace): a client of the run's master is seen to be the run's, an
+    outside one is seen not to be (the positive control: the same reader, the same
+    master). A run of another uid (--isolated) cannot be read: unseen, so refused."""
+    if subprocess.run(["/usr/bin/python3", "-c", "import psutil"]).returncode != 0:
+        pytest.skip("/usr/bin/python3 lacks psutil (Debian: python3-psutil)")
+    d = Path(tempfile.mkdtemp(prefix="mxu", dir=SHORT))
+    os.chmod(d, 0o777)
+    shutil.copy("/usr/bin/python3", d / "ssh")  # the master's executable is named ssh
+    script = d / "tree.py"
+    script.write_text(RUN_TREE)
+    gw = socket.socket(socket.AF_UNIX)
+    gw.bind(str(d / "gw"))
+    os.chmod(d / "gw", 0o777)
+    gw.listen(8)
+    ids = {"user": tree_uid, "group": tree_uid}
+    if box and not Path(box[0]).exists():
+        pytest.skip("no bubblewrap")
+    run = subprocess.Popen(
+        [*box, "/usr/bin/python3", str(script), str(d), "run"], stdout=subprocess.PIPE, **ids
+    )
+    outsider = socket.socket(socket.AF_UNIX)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == b"ready\n"
+        ours, _ = gw.accept()
+        inode = os.fstat(ours.fileno()).st_ino
+        in_run, seen = read_as_sbxtest(run.pid, inode)
+        if tree_uid != SBXTEST:
+            assert in_run is None and "cannot be read by the gateway (uid 1001)" in seen, seen
+            return
+        assert in_run is True, seen
+        outsider.connect(str(d / "cp"))  # this test process: outside the run's tree
+        wait_for(lambda: read_as_sbxtest(run.pid, inode)[0] is False, timeout=20)
+        assert "outside the run" in read_as_sbxtest(run.pid, inode)[1]
+    finally:
+        outsider.close()
+        for p in psutil.Process(run.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        run.kill()
+        run.wait(10)
+        gw.close()
+        shutil.rmtree(d, ignore_errors=True)
