@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bastion import sandbox
 from bastion.core.errors import BastionError
 from bastion.home import Home
 
@@ -408,26 +409,57 @@ _SEALED = " (the gateway is not dumpable: no ptrace, no /proc/PID/mem, even for 
 _ADVISORY = (
     "a process of the operator's uid outside every `bastion run` tree cannot reach the operator "
     "socket (advisory mode does not stop it: it could answer cards, approve itself, lock, unlock)",
-    "agents cannot copy vault.json, the journal or the gateway's host key (advisory mode does not "
-    "stop it; the passphrase still protects what is inside the vault and the journal)",
-    "agents cannot edit the policies (advisory mode does not stop it)",
+    "agents outside a sandbox (`--no-sandbox`, or not under `bastion run`) cannot copy "
+    "vault.json, the journal or the gateway's host key (advisory mode does not stop it; the "
+    "passphrase still protects what is inside the vault and the journal)",
+    "agents outside a sandbox cannot edit the policies (advisory mode does not stop it)",
 )
 _UNCHECKED = {"gateway_memory": "the gateway is not running"}
 _ALWAYS = (
     "a process inside a `bastion run` tree cannot answer for the operator, even as the "
-    "operator's uid (the operator socket refuses it)",
+    "operator's uid (the operator socket refuses it), nor can a process in another PID or "
+    "user namespace than the gateway's, registered or not",
     "nothing an agent starts below `bastion run` outlives the run, double forks and setsid "
-    "included (unless the run itself is killed with SIGKILL)",
+    "included (a sandboxed run not even a SIGKILL of `bastion run`; `--no-sandbox` does)",
+)
+_SANDBOX = (
+    "a default `bastion run` gets a sandbox of its own here: it cannot see, signal or trace "
+    "a process outside it, nor reach the bastion home, the operator socket, your tmux and "
+    "screen sockets, $XDG_RUNTIME_DIR (session bus, systemd --user, ssh-agent) or your "
+    "private keys, and it has no controlling terminal of yours"
+)
+_SCOPES = (
+    "a sandboxed run cannot connect to an abstract unix socket made outside it (an X11 "
+    "display) nor signal outside it (Landlock scopes, kernel ABI {abi})"
 )
 
 
+def sandbox_rows(machine: sandbox.Machine) -> list[tuple[str, bool]]:
+    """What this machine's sandbox gives a run, as `guarantees` sentences."""
+    rows = [
+        (
+            _SANDBOX
+            + (f" (NOT HERE: {machine.unavailable})" if machine.unavailable is not None else ""),
+            machine.unavailable is None,
+        )
+    ]
+    scoped = machine.landlock >= sandbox.LANDLOCK_SCOPES_ABI
+    text = _SCOPES.format(abi=machine.landlock)
+    rows.append((text + ("" if scoped else ": too old for scopes; 6 is needed"), scoped))
+    return rows
+
+
 def guarantees(
-    mode: str, agent_uid: int | None, checks: Mapping[str, bool]
+    mode: str,
+    agent_uid: int | None,
+    checks: Mapping[str, bool],
+    machine: sandbox.Machine | None = None,
 ) -> list[tuple[str, bool]]:
     """Which guarantees hold: (sentence, held) in a fixed order. `mode` is the
     gateway's `strong` or `advisory`; `checks` as `probe` or
     `permission_checks` give them (a check that is missing was not made, and
-    its guarantee is not claimed)."""
+    its guarantee is not claimed); `machine`: what the sandbox can do here (its rows
+    are left out when not given)."""
     out: list[tuple[str, bool]] = []
     if mode == "strong":
         who = f"uid {agent_uid}" if agent_uid is not None else "a uid set up by hand"
@@ -446,6 +478,8 @@ def guarantees(
         out += [(text, False) for text in _ADVISORY]
         out.append((_MEMORY + (_SEALED if sealed else " (advisory mode does not stop it)"), sealed))
     out += [(text, True) for text in _ALWAYS]
+    if machine is not None:
+        out += sandbox_rows(machine)
     return out
 
 
@@ -460,7 +494,8 @@ def status_guarantees(home: Home, mode: str, gateway_pid: int | None = None) -> 
         iso, checks = None, {}
     if mode != "strong" and gateway_pid is not None:
         checks = {"gateway_memory": memory_sealed(gateway_pid)}
-    return [[text, held] for text, held in guarantees(mode, iso.uid if iso else None, checks)]
+    rows = guarantees(mode, iso.uid if iso else None, checks, sandbox.machine())
+    return [[text, held] for text, held in rows]
 
 
 def memory_sealed(pid: int) -> bool:

@@ -78,6 +78,7 @@ SYSTEM_DEPUTIES = (
     "/var/spool/atjobs",
     "/run/screen",
 )
+NAMESPACE_WORDS = {"user": "user", "pid": "PID", "mnt": "mount", "ipc": "IPC"}
 PRIVATE_KEY_MARKS = (b"PRIVATE KEY", b"SSH2 ENCRYPTED PRIVATE KEY", b"PuTTY-User-Key-File")
 
 # Landlock (linux/landlock.h); the syscall numbers are the same on every architecture.
@@ -276,12 +277,13 @@ def namespaces_off() -> Unavailable | None:
             "turn them on: sudo sysctl -w kernel.unprivileged_userns_clone=1 (and in "
             "/etc/sysctl.d/ to keep it)",
         )
-    if _sysctl("user.max_user_namespaces") == "0":
-        return Unavailable(
-            "user namespaces are turned off (user.max_user_namespaces = 0)",
-            "turn them on: sudo sysctl -w user.max_user_namespaces=15000 (and in "
-            "/etc/sysctl.d/ to keep it)",
-        )
+    for kind in ("user", "pid", "mnt", "ipc"):
+        name = f"user.max_{kind}_namespaces"
+        if _sysctl(name) == "0":
+            return Unavailable(
+                f"{NAMESPACE_WORDS[kind]} namespaces are turned off ({name} = 0)",
+                f"turn them on: sudo sysctl -w {name}=15000 (and in /etc/sysctl.d/ to keep it)",
+            )
     if _sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1":
         return Unavailable(
             "AppArmor restricts unprivileged user namespaces "
@@ -396,3 +398,25 @@ def prepare(
     root = (user[0] if user else os.geteuid()) == 0
     argv = (bwrap, *plan(layout, given, chdir=chdir, make_dir=make_dir, root=root))
     return Sandbox(argv, environment(env), landlock_abi())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Whether this machine can sandbox a run as this user, for `status` and `doctor`."""
+
+    unavailable: Unavailable | None  # None: a default `bastion run` gets its sandbox
+    landlock: int  # the kernel's Landlock ABI (scopes from 6)
+
+
+def machine(bwrap_path: str | None = None) -> Machine:
+    """Try it (one empty sandbox, about 3 ms); never raises."""
+    try:
+        preflight(find_bwrap(bwrap_path))
+        told = None
+    except Unavailable as exc:
+        told = exc
+    try:
+        abi = landlock_abi()
+    except OSError:
+        abi = 0
+    return Machine(told, abi)

@@ -30,6 +30,7 @@ from tests.harness import (  # noqa: E402
     Agent,
     Bastion,
     Result,
+    cli_argv,
     make_bastion,
     policy_toml,
     write_bastion_toml,
@@ -104,21 +105,26 @@ def bench(
         bastion.start_daemon()
         bastion.unlock()
         agent = bastion.agent()
+        # The same helper inside a sandboxed `bastion run` (issue 20): what a run costs
+        # per command, against the agent outside, in the same rounds.
+        in_run = Agent(bastion.config, launcher=(*cli_argv(bastion.home.root, "run", "--"),))
+        bastion.agents.append(in_run)
         certified = ["ssh", "-F", str(bastion.config), "cert1"]
-        for argv in (None, [*certified, "true"]):
-            rid = agent.start("true", argv=argv)
+        for who, argv in ((agent, None), (agent, [*certified, "true"]), (in_run, None)):
+            rid = who.start("true", argv=argv)
             bastion.approve_next()
-            if (r := agent.wait(rid)).rc != 0:
+            if (r := who.wait(rid)).rc != 0:
                 raise RuntimeError(f"approved session failed: {r.stderr.strip()}")
 
         paths: dict[str, list[str] | None] = {"direct": direct, "bastion": None, "helper": []}
-        fails: dict[str, list[str]] = {"direct": [], "bastion": [], "helper": []}
-        lat: dict[str, list[float]] = {"direct": [], "bastion": [], "helper": [], "proxy": []}
+        fails: dict[str, list[str]] = {"direct": [], "bastion": [], "helper": [], "in_run": []}
+        lat: dict[str, list[float]] = {k: [] for k in (*paths, "in_run", "proxy")}
         journal_before = bastion.op("status")["journal"]
         for i in range(WARMUP + n):
             # Interleaved A B A B ...; the agent helper's own floor (argv=["true"],
             # no ssh) and the proxy helper's startup ride along in the same rounds.
             sample = {k: timed(agent, "true", argv, fails[k])[0] for k, argv in paths.items()}
+            sample["in_run"] = timed(in_run, "true", None, fails["in_run"])[0]
             sample["proxy"] = timed_cmd(proxy)
             if i >= WARMUP:
                 for k, v in sample.items():
@@ -136,6 +142,7 @@ def bench(
             if i >= WARMUP:
                 for k, v in sample.items():
                     lat[k].append(v)
+        starts = run_start(bastion, min(n, 20))
         blob = root / "blob"
         data = os.urandom(blob_size)
         blob.write_bytes(data)
@@ -160,6 +167,10 @@ def bench(
     out["ratio_p90"] = b["p90_ms"] / d["p90_ms"]
     cd, cb = out["latency"]["cert_direct"], out["latency"]["certificate"]
     out["certificate_ratio_median"] = cb["median_ms"] / cd["median_ms"]
+    ir = out["latency"]["in_run"]
+    out["in_run_ratio_median"] = ir["median_ms"] / b["median_ms"]
+    out["in_run_ratio_p90"] = ir["p90_ms"] / b["p90_ms"]
+    out["run_start"] = starts
     out["certificate_ratio_p90"] = cb["p90_ms"] / cd["p90_ms"]
     mb = blob_size / 1e6
     cat = {k: statistics.median(v) for k, v in cat_s.items()}
@@ -179,6 +190,29 @@ def bench(
     out["failed_attempts"] = {k: len(v) for k, v in fails.items()}
     out["failure_messages"] = sorted({m for v in fails.values() for m in v})
     out["reader"] = reader_speed()
+    return out
+
+
+def run_start(bastion: Bastion, rounds: int) -> dict[str, Any]:
+    """What `bastion run` adds before the agent's first instruction: `/bin/true` alone,
+    under `bastion run --no-sandbox` (interpreter, registration, supervision) and under
+    the default sandboxed run (the same plus the preflight and bwrap), interleaved."""
+    argv = {
+        "true": ["/bin/true"],
+        "run_no_sandbox": cli_argv(bastion.home.root, "run", "--no-sandbox", "--", "/bin/true"),
+        "run_sandboxed": cli_argv(bastion.home.root, "run", "--", "/bin/true"),
+    }
+    times: dict[str, list[float]] = {k: [] for k in argv}
+    for i in range(WARMUP + rounds):
+        for k, a in argv.items():
+            t0 = time.perf_counter()
+            subprocess.run(a, capture_output=True, check=True, timeout=60)
+            if i >= WARMUP:
+                times[k].append(time.perf_counter() - t0)
+    out: dict[str, Any] = {k: stats(v) for k, v in times.items()}
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out["sandbox_adds_ms"] = med["run_sandboxed"] - med["run_no_sandbox"]
+    out["run_adds_ms"] = med["run_sandboxed"] - med["true"]
     return out
 
 
@@ -212,6 +246,7 @@ def report(r: dict[str, Any]) -> str:
         "proxy": "proxy.py startup (fails fast)",
         "cert_direct": "direct ssh (certificate loop)",
         "certificate": "ssh -F bastion.config cert1",
+        "in_run": "the same, inside a sandboxed run",
     }
     lines = [f"witness: {r['witness'] or 'none'}"]
     lines.append(f"latency, n={r['n']}      {'median':>8} {'p90':>8} {'min':>8}  (ms)")
@@ -222,6 +257,17 @@ def report(r: dict[str, Any]) -> str:
     lines.append(
         f"certificate account/direct: median {r['certificate_ratio_median']:.2f}x, "
         f"p90 {r['certificate_ratio_p90']:.2f}x"
+    )
+    lines.append(
+        f"inside a sandboxed run/outside: median {r['in_run_ratio_median']:.2f}x, "
+        f"p90 {r['in_run_ratio_p90']:.2f}x"
+    )
+    rs = r["run_start"]
+    lines.append(
+        f"bastion run -- /bin/true, median ms: true alone {rs['true']['median_ms']:.1f}, "
+        f"--no-sandbox {rs['run_no_sandbox']['median_ms']:.1f}, "
+        f"sandboxed {rs['run_sandboxed']['median_ms']:.1f}; the sandbox adds "
+        f"{rs['sandbox_adds_ms']:.1f} ms, the whole run {rs['run_adds_ms']:.1f} ms"
     )
     t, net = r["throughput_MBps"], r["throughput_net_MBps"]
     lines.append(
@@ -241,7 +287,7 @@ def report(r: dict[str, Any]) -> str:
     f = r["failed_attempts"]
     lines.append(
         f"failed attempts (retried, not timed): direct {f['direct'] + f['cert_direct']}, "
-        f"bastion {f['bastion']}, certificate {f['certificate']}"
+        f"bastion {f['bastion']}, certificate {f['certificate']}, in a run {f['in_run']}"
     )
     lines += [f"  {m}" for m in r["failure_messages"]]
     rd = r["reader"]
@@ -268,7 +314,8 @@ def main() -> None:
     )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bastion-bench-") as tmp:
+    # Not in /tmp: a sandboxed run has a /tmp of its own, and its agent reads the config here.
+    with tempfile.TemporaryDirectory(prefix="bastion-bench-", dir="/var/tmp") as tmp:
         result = bench(
             Path(tmp), max(args.n, 2), args.blob_mb << 20, not args.target_rc, args.witness
         )

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from bastion import isolation, opsock
+from bastion import isolation, opsock, sandbox
 from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import emit, fail, home_of
 from bastion.home import Home
@@ -224,7 +224,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
         else:
             checks = isolation.permission_checks(home, iso, pid)
             how = f"judged from file modes (as root they are tried as {iso.user})"
-    rows = isolation.guarantees(mode, iso.uid if iso else None, checks)
+    rows = isolation.guarantees(mode, iso.uid if iso else None, checks, sandbox.machine())
     doc = {
         "mode": mode,
         "gateway_running": gateway is not None,

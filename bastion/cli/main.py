@@ -38,8 +38,6 @@ from bastion.cli.doctor import doctor
 from bastion.cli.isolate import isolate
 from bastion.cli.keys import key
 from bastion.cli.mcp import mcp
-from bastion.cli.prompt import approve as run_prompt
-from bastion.cli.prompt import render_card
 from bastion.cli.run import run
 from bastion.cli.service import service
 from bastion.core.display import escape_text
@@ -191,6 +189,8 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Gateway state: vault, policy, isolation and what it guarantees, the listeners."""
+    from bastion.threat_model import threat_lines
+
     s = op(ctx, "status")
 
     def listener(h: dict[str, Any] | None) -> str:
@@ -223,6 +223,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"boot:      {s['boot_id']}",
             *witness_lines(s.get("witness")),
             *(f"WARNING {foreign_warning(span)}" for span in s.get("foreign_records") or []),
+            *threat_lines(s.get("threat_model") or {}),
         ]
         return "\n".join(escape_text(line) for line in lines)
 
@@ -243,6 +244,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
     """Cards waiting for an operator's answer."""
+    from bastion.cli.prompt import render_card
+
     cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
     emit(
         cards,
@@ -264,6 +267,8 @@ def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
     """Interactive approvals: each card as it arrives (bell, desktop notification);
     y approve, n deny, d details (process chain, digests), L lock the vault, q quit.
     Between cards, a status line. Survives gateway restarts."""
+    from bastion.cli.prompt import approve as run_prompt
+
     sys.exit(run_prompt(home_of(ctx).operator_socket, not no_notify, notify_command))
 
 

@@ -34,6 +34,7 @@ class BastionError(Exception):
         │   ├── vault_file.VaultLocked
         │   └── vault_file.KeyFilePassphraseNeeded
         ├── isolation.IsolationError -- isolation is not set up, or cannot be
+        ├── sandbox.Unavailable -- the sandbox cannot be made here: the reason and the fix
         ├── memory.NotClosed -- the memory could not be closed to its uid
         ├── ops.OpsError -- an operator action that cannot be done as asked
         ├── opsock.OperatorError -- an operator request failed

@@ -34,6 +34,7 @@ from bastion.home import Home
 from bastion.isolation import status_guarantees
 from bastion.journal import IDENTITY_LABEL, Journal
 from bastion.opsock import OperatorError
+from bastion.threat_model import threat_model
 from bastion.vault import Vault, VaultError
 from bastion.witness import Witness
 
@@ -176,6 +177,8 @@ class Control:
             "guarantees": await asyncio.to_thread(
                 status_guarantees, gw.home, gw.isolation(), os.getpid()
             ),
+            # What an agent can do in each mode (README, "The sandbox"): the same table.
+            "threat_model": threat_model(),
         }
 
     async def unlock(self, args: dict[str, Any]) -> dict[str, Any]:

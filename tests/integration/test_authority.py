@@ -279,9 +279,13 @@ def test_an_agent_without_a_card_cannot_answer_another_agents_card(bastion: Bast
     runner = Agent(bastion.config)
     bastion.agents.append(runner)
     cli = [sys.executable, "-m", "bastion.cli", "--home", str(bastion.home.root)]
-    # A registered run with no card of its own is still an agent.
-    r = runner.run([], argv=[*cli, "run", "--", *cli, "decide", card["id"], "approve"])
+    # A registered run with no card of its own is still an agent: unsandboxed, the
+    # operator socket refuses its tree; sandboxed, the run does not even see the socket.
+    decide = [*cli, "decide", card["id"], "approve"]
+    r = runner.run([], argv=[*cli, "run", "--no-sandbox", "--", *decide])
     assert r.rc == 1 and "agent's process tree" in r.stderr
+    r = runner.run([], argv=[*cli, "run", "--", *decide])
+    assert r.rc == 1 and "no operator socket" in r.stderr
     assert [c["id"] for c in bastion.op("pending")] == [card["id"]]
     bastion.answer(card, False)
     assert asking.wait(rid).code == "SESSION_DENIED"

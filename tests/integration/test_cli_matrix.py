@@ -677,7 +677,9 @@ def check_run_offline(w: World, r: Out) -> None:
 
 def check_run_online(w: World, r: Out) -> None:
     assert r.returncode == 3, r  # the command's own status
-    assert re.match(r"bastion: registered run_\S+ \(pid \d+\); starting sh\n", r.stderr), r.stderr
+    assert re.match(
+        r"bastion: registered run_\S+ \(pid \d+\); starting sh in its sandbox\n", r.stderr
+    ), r.stderr
     assert Path(w.vars["marker_online"]).exists()
 
 

@@ -103,7 +103,10 @@ def test_a_double_forked_child_under_bastion_run_cannot_approve_its_card(
     bastion: Bastion, tmp_path: Path
 ) -> None:
     cli = [sys.executable, "-m", "bastion.cli", "--home", str(bastion.home.root)]
-    agent = Agent(bastion.config, launcher=(*cli, "run", "--label", "escaper", "--"))
+    # Unsandboxed, so the operator socket is there to try: the rule that refuses a run's
+    # tree is what stops it (a sandboxed run does not even see the socket: test_authority).
+    launcher = (*cli, "run", "--no-sandbox", "--label", "escaper", "--")
+    agent = Agent(bastion.config, launcher=launcher)
     bastion.agents.append(agent)
     rid = agent.start("echo should-not-run")
     card = bastion.next_card()

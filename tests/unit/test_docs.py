@@ -112,3 +112,14 @@ def test_the_history_lives_in_the_changelog() -> None:
     assert not history, f"history headings in docs/architecture.md: {history}"
     issues = [int(n) for n in re.findall(r"^## Issue (\d+):", CHANGELOG.read_text(), re.M)]
     assert issues and issues == sorted(issues, reverse=True), "CHANGELOG.md: newest first"
+
+
+def test_the_readme_carries_the_threat_model_status_prints() -> None:
+    """One table, two places: `bastion status` prints `isolation.THREATS`, and the
+    README's "The sandbox" section shows the same rows, word for word."""
+    from bastion.threat_model import threat_table
+
+    lines = README.read_text().splitlines()
+    table = threat_table()
+    start = lines.index(table[0])
+    assert lines[start : start + len(table)] == table

@@ -1,0 +1,143 @@
+"""A run's sandbox starts whole or not at all, and dies with `bastion run`.
+
+- Where the kernel will not make the namespaces (turned off with the sysctl, in a
+  throwaway user namespace of its own) or bwrap is missing, `bastion run` fails with the
+  reason and the fix, registers nothing and starts nothing. The positive control runs
+  the same command where the sandbox can be made.
+- SIGKILL of `bastion run` leaves no process of the run: a marker process that would
+  write after 2 s never writes, detached (setsid, double fork) or not. The control is
+  `--no-sandbox`, whose tree outlives a SIGKILL (the limit its cards state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.harness import Bastion, cli_argv, wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+NAMESPACE_SWITCHES = ("user.max_user_namespaces", "user.max_pid_namespaces")
+
+
+def _registered_runs(b: Bastion) -> int:
+    lines = b.cli("audit", "export").stdout.splitlines()
+    return sum(1 for line in lines if json.loads(line).get("type") == "run_registered")
+
+
+def _in_throwaway_namespace(
+    b: Bastion, marker: Path, turn_off: bool
+) -> subprocess.CompletedProcess:
+    """`bastion run -- touch MARKER` in a user namespace of its own, where the namespace
+    limits can be set to 0 without touching the machine's."""
+    off = "".join(f"echo 0 > /proc/sys/{n.replace('.', '/')}; " for n in NAMESPACE_SWITCHES)
+    run = " ".join(cli_argv(b.home.root, "run", "--label", "nons", "--", "touch", str(marker)))
+    script = (off if turn_off else "") + "exec " + run
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is missing")
+def test_without_namespaces_nothing_starts_and_the_message_says_the_fix(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    before = _registered_runs(bastion)
+    control = tmp_path / "control"
+    r = _in_throwaway_namespace(bastion, control, turn_off=False)
+    assert r.returncode == 0 and control.exists(), r.stderr  # the sandbox can be made here
+    assert _registered_runs(bastion) == before + 1
+
+    marker = tmp_path / "marker"
+    r = _in_throwaway_namespace(bastion, marker, turn_off=True)
+    assert r.returncode != 0
+    assert "cannot sandbox the agent" in r.stderr and "namespaces are turned off" in r.stderr
+    assert "sudo sysctl -w user.max_" in r.stderr and "Nothing was started" in r.stderr
+    assert not marker.exists()
+    assert _registered_runs(bastion) == before + 1  # nothing registered either
+
+
+def test_without_bubblewrap_nothing_starts(bastion: Bastion, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    r = subprocess.run(
+        cli_argv(bastion.home.root, "run", "--", "/usr/bin/touch", str(marker)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )
+    assert r.returncode != 0 and not marker.exists()
+    assert "bubblewrap (bwrap) is not installed" in r.stderr
+    assert "apt install bubblewrap" in r.stderr and "--no-sandbox" in r.stderr
+
+
+def _namespace_members(ns: str) -> list[int]:
+    """Processes (seen from here) whose PID namespace is `ns`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def _start_marked(b: Bastion, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """A run whose agent detaches two marker processes (setsid, and a double fork),
+    each of which would write after 2 s, then waits."""
+    marker = tmp_path / "late"
+    ready = tmp_path / "ready"
+    script = (
+        f"setsid sh -c 'sleep 2; echo setsid >> {marker}' & "
+        f"( sh -c 'sleep 2; echo forked >> {marker}' & ) ; "
+        f"echo $$ > {ready}; sleep 60"
+    )
+    run = subprocess.Popen(
+        cli_argv(b.home.root, "run", *flags, "--", "sh", "-c", script),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_for(lambda: ready.exists() and ready.read_text().strip(), timeout=30)
+    return run, marker
+
+
+def test_sigkill_of_bastion_run_leaves_no_process_of_the_run(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    run, marker = _start_marked(bastion, tmp_path)
+    inner = next(
+        p.pid for p in psutil.Process(run.pid).children(recursive=True) if p.name() == "sleep"
+    )
+    ns = os.readlink(f"/proc/{inner}/ns/pid")
+    assert ns != os.readlink("/proc/self/ns/pid")
+    assert len(_namespace_members(ns)) >= 4  # bwrap's first process, sh, two markers, sleep
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    wait_for(lambda: not _namespace_members(ns), timeout=30)
+    time.sleep(3)  # past the markers' 2 s: they must not have written (nothing to wait on)
+    assert not marker.exists()
+
+
+def test_without_the_sandbox_a_sigkill_lets_the_tree_outlive_the_run(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    """The control: the same agent under `--no-sandbox` outlives a SIGKILL of its run."""
+    run, marker = _start_marked(bastion, tmp_path, "--no-sandbox")
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    wait_for(lambda: marker.exists() and marker.read_text().count("\n") == 2, timeout=30)
+    subprocess.run(["pkill", "-f", str(tmp_path / "ready")], check=False)
