@@ -20,7 +20,9 @@ journal and the witness (`World`). The checks run in the contract's order
 2. the request's shape (`intake`): a channel that is not one exec (a shell, a
    subsystem, a later channel on a used connection), an ssh user that is not
    the proxy's, a connection other processes could share, a command that
-   cannot be run exactly as decided;
+   cannot be run exactly as decided. A shared connection (a later channel, a
+   ControlMaster) passes only when its subject is a registered run and every
+   process connected to the master was seen to be a process of that run;
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
 5. the policy: unavailable, host, account, command, a certificate nobody can
@@ -55,6 +57,7 @@ from bastion.core.policy import (
     needs_command_card,
     preapproval,
 )
+from bastion.core.sharing import IN_A_RUN, MUX_OUTSIDER, MUX_UNSEEN
 from bastion.core.subject import SubjectKey
 
 
@@ -153,6 +156,12 @@ class World:
     # Other processes could send commands through the agent's ssh connection (its
     # client is a ControlMaster, or went to the background).
     shared_connection: bool = False
+    subject_is_run: bool = False  # the subject is a registered run (`bastion run`)
+    # Of a shared connection whose subject is a run: every process connected to its
+    # ControlMaster is a process of that run (True), one is not (False), or who is
+    # connected could not be seen (None); `mux_seen` says what was seen, in words.
+    mux_clients_in_run: bool | None = None
+    mux_seen: str = ""
     not_journaled: str | None = None  # why the request's first record could not be written
     records_lost: bool = False  # a journal record was lost since the request was received
     witness_refusing: str | None = None  # why the witness takes no new work, or None
@@ -192,7 +201,7 @@ ONE_COMMAND = (
     "ControlPersist, -M or -S), which would run it as the process that opened the "
     "connection. Nothing was sent. Run each command as its own ssh call: drop those "
     "options, or add -o ControlMaster=no -o ControlPath=none (`ssh -O exit -o "
-    "ControlPath=PATH HOST` stops a master that is still running)."
+    f"ControlPath=PATH HOST` stops a master that is still running). {IN_A_RUN}"
 )
 CONTROL_MASTER = (
     "This ssh connection can be shared: its ssh client is a ControlMaster, or went to the "
@@ -200,7 +209,7 @@ CONTROL_MASTER = (
     "as this process. bastion approves processes: it runs one command per ssh connection, "
     "from the process that opened it. Run ssh without ControlMaster, ControlPath, "
     "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
-    "Nothing was sent."
+    f"Nothing was sent. {IN_A_RUN}"
 )
 NOT_JOURNALED = (
     "The gateway could not write this request to its journal ({why}), so it did not take "
@@ -321,8 +330,10 @@ def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
     if req.channel is Channel.SHARED:
-        return ONE_COMMAND
-    if req.channel is not Channel.EXEC:
+        refused = not_shareable(world, ONE_COMMAND)
+        if refused is not None:
+            return refused
+    elif req.channel is not Channel.EXEC:
         what = "a subsystem" if req.channel is Channel.SUBSYSTEM else "an interactive shell"
         return (
             f"bastion does not open {what}; it runs one command per ssh call: "
@@ -334,10 +345,26 @@ def unsupported(req: Request, world: World) -> str | None:
             "given to the proxy; use USER@HOST. Nothing was sent."
         )
     if world.shared_connection:
-        return CONTROL_MASTER
+        refused = not_shareable(world, CONTROL_MASTER)
+        if refused is not None:
+            return refused
     problem = validate_command(req.command)
     if problem is not None:
         return malformed(problem).message
+    return None
+
+
+def not_shareable(world: World, words: str) -> str | None:
+    """Why a connection other processes could send through may not carry this request,
+    or None: only a registered run's, and only while every process connected to its
+    ControlMaster is one of the run's (anything unseen refuses). `words`: what a
+    subject that is not a run is told."""
+    if not world.subject_is_run:
+        return words
+    if world.mux_clients_in_run is None:
+        return MUX_UNSEEN.format(seen=world.mux_seen or "nothing was observed")
+    if not world.mux_clients_in_run:
+        return MUX_OUTSIDER.format(seen=world.mux_seen or "a process outside the run is connected")
     return None
 
 

@@ -14,7 +14,9 @@ One exec channel per connection: a second one is what an ssh ControlMaster
 opens for another command, possibly from another process, and everything on
 the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
-nothing.
+nothing -- except on a registered run's connection, while every process
+connected to the master is one of the run's (`mux.py`, seen as the channel
+opens and again at its request; the gate decides).
 
 This module only observes: which channel the client opened (`gate.Channel`)
 and the ssh user it sent go into the `Request`, and the gate decides each of
@@ -40,6 +42,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -54,10 +57,11 @@ from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, bound_action
 from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.refusals import TURNED, Turned
-from bastion.core.subject import Peer
+from bastion.core.subject import Peer, SubjectKind
 from bastion.gateway import procs
 from bastion.gateway.admission import NoSlot
 from bastion.gateway.agent_channel import AgentChannel
+from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
@@ -298,7 +302,12 @@ class AgentListener:
         except (ValueError, IdentityError, NoSlot, OSError) as exc:
             await self._refuse(sock, exc)
             return
-        conn = AgentConn(peer=peer, host=header["host"], user=header["user"])
+        conn = AgentConn(
+            peer=peer,
+            host=header["host"],
+            user=header["user"],
+            socket_inode=os.fstat(sock.fileno()).st_ino,
+        )
         self.service.connection_opened(conn)
         closed = _once(lambda: self.service.connection_closed(conn))
         try:
@@ -355,6 +364,7 @@ class _AgentSSH(asyncssh.SSHServer):
         self.closed = closed  # closes `conn` to the service, once
         self.ssh_user = ""
         self.sessions = 0
+        self.refused_sessions = 0  # later channels not known to come from the run
         self._ssh: asyncssh.SSHServerConnection | None = None
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
@@ -370,36 +380,63 @@ class _AgentSSH(asyncssh.SSHServer):
     def session_requested(self) -> Any:
         """The first exec channel runs a command; a later one (a ControlMaster's
         next command) is answered with `ONE_COMMAND` as the agent-facing JSON error
-        (`UNSUPPORTED_REQUEST`, exit 77) and runs nothing. Not a refused channel open:
+        (`UNSUPPORTED_REQUEST`, exit 77) and runs nothing -- unless the connection is a
+        registered run's and the gate lets the run share it. Not a refused channel open:
         OpenSSH's mux client prints only "Session open refused by peer" (the reason
         goes to the master's stderr, /dev/null once it is in the background) and then
-        quietly connects anew. Past a few answers the channel is refused anyway."""
+        quietly connects anew. Past a few answers the channel is refused anyway.
+
+        Who is connected to a run's master is read here, before the open is confirmed,
+        and again at the request: a mux client that asked and left before the master
+        heard the confirmation gets no command sent (OpenSSH ends that session), and
+        one still connected is seen."""
         assert self._ssh is not None
         self.sessions += 1
-        if self.sessions > 1 + MAX_EXTRA_SESSIONS:
-            raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, ONE_COMMAND)
+        extra = self.sessions > 1
+        opened = self._mux_view(extra)
+        if extra and (opened is None or opened.in_run is not True):
+            self.refused_sessions += 1
+            if self.refused_sessions > MAX_EXTRA_SESSIONS:
+                raise asyncssh.ChannelOpenError(
+                    asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, ONE_COMMAND
+                )
         # A large receive limit lets an oversized command arrive whole, so the
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = AgentChannel
-        extra = self.sessions > 1
-        process = asyncssh.SSHServerProcess(lambda p: self._exec(p, extra), None, 3, False)
+        process = asyncssh.SSHServerProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
         return chan, process
 
-    async def _exec(self, process: asyncssh.SSHServerProcess[bytes], extra: bool) -> None:
+    def _mux_view(self, extra: bool) -> MuxView | None:
+        """Who is connected to the master of a run's shared connection, now; None for a
+        connection that is not a run's, or not shared."""
+        peer = self.conn.peer
+        if peer.subject.kind is not SubjectKind.RUN:
+            return None
+        if not extra and not self.service.rides_a_master(peer):
+            return None
+        return self.service.mux_clients(peer, self.conn.socket_inode)
+
+    async def _exec(
+        self, process: asyncssh.SSHServerProcess[bytes], extra: bool, opened: MuxView | None
+    ) -> None:
         request_id = new_request_id()
         try:
-            await self._serve(process, request_id, extra)
+            await self._serve(process, request_id, extra, opened)
         except Exception:
             log.exception("%s: internal error", request_id)
             _finish_failure(process, gateway_failed(request_id))
 
     async def _serve(
-        self, process: asyncssh.SSHServerProcess[bytes], request_id: str, extra: bool
+        self,
+        process: asyncssh.SSHServerProcess[bytes],
+        request_id: str,
+        extra: bool,
+        opened: MuxView | None,
     ) -> None:
         conn = self.conn
         command: bytes | None = getattr(process.channel, "exact_command", None)
-        if extra:
+        if extra and command is not None:
             channel = Channel.SHARED  # a ControlMaster's next command
         elif command is None:
             channel = Channel.SUBSYSTEM if process.subsystem else Channel.SHELL
@@ -441,6 +478,7 @@ class _AgentSSH(asyncssh.SSHServer):
             conversation,
             streams,
             ack_unknown=action is not None and env.get("BASTION_ACK_UNKNOWN") == "1",
+            opened=opened,
         )
         if isinstance(result, Failure):
             _finish_failure(process, result)

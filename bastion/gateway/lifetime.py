@@ -47,7 +47,7 @@ from bastion.core.defaults import (
 from bastion.core.events import EventType, recover
 from bastion.core.policy import PolicyError
 from bastion.core.subject import Peer, ProcessInfo, ProcessKey, Run, Subject
-from bastion.gateway import opserver, procs
+from bastion.gateway import mux, opserver, procs
 from bastion.gateway.admission import Admission
 from bastion.gateway.agent_doors import AgentDoors, run_subject
 from bastion.gateway.agent_ssh import AgentListener
@@ -155,6 +155,7 @@ class Gateway:
             watch=self.watch,
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
+            mux_clients=mux.observe,
             refusing=self.witness.refusing if self.witness is not None else lambda: None,
             admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),
             approval_timeout=settings.approval_timeout,

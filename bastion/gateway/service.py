@@ -44,6 +44,7 @@ from bastion.core.gate import (
     AskSession,
     CardEnding,
     CardKind,
+    Channel,
     Dispatch,
     EndReason,
     Request,
@@ -59,12 +60,13 @@ from bastion.core.gate import (
 )
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import not_started
-from bastion.core.subject import Peer, Subject
+from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.gateway.actions import ActionKeys
 from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.intent import Intent
+from bastion.gateway.mux import MuxView
 from bastion.gateway.recorder import PolicyWatch, Recorder
 from bastion.gateway.tenants import Tenant
 from bastion.journal import JournalError
@@ -117,6 +119,7 @@ class AgentConn:
     host: str
     user: str
     cards: set[str] = field(default_factory=set)
+    socket_inode: int = 0  # the gateway's end of it: what a ControlMaster is found by (`mux`)
 
 
 @dataclass(eq=False)
@@ -146,6 +149,27 @@ class Arrival:
     lost: int = 0  # the recorder's count of lost records once it was received
     shared_connection: bool = False  # its ssh client could carry other processes' commands
     witness_refusing: str | None = None  # why the witness took no new work as it arrived
+    # Of a registered run's shared connection: whether every process connected to its
+    # ControlMaster was of the run, at the channel's open and at its request (`mux`).
+    mux: MuxView | None = None
+
+
+def unseen() -> MuxView:
+    """No observer of ControlMasters: nothing is known to be of the run."""
+    return MuxView(None, "the gateway does not observe ControlMasters")
+
+
+def both(first: MuxView | None, then: MuxView) -> MuxView:
+    """Two sightings: the one that does not see the run alone decides (False, then None)."""
+    if first is None:
+        return then
+    for view in (first, then):
+        if view.in_run is False:
+            return view
+    for view in (first, then):
+        if view.in_run is None:
+            return view
+    return then
 
 
 def new_request_id() -> str:
@@ -166,6 +190,7 @@ class Service:
         watch: Callable[[Subject], None] = lambda s: None,
         refresh: Callable[[Subject], Subject] = lambda s: s,
         rides_a_master: Callable[[Peer], bool] = lambda p: False,
+        mux_clients: Callable[[Peer, int], MuxView] = lambda p, i: unseen(),
         refusing: Callable[[], str | None] = lambda: None,
         admission: Admission | None = None,
         schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
@@ -185,6 +210,9 @@ class Service:
         self.watch = watch
         self.refresh = refresh
         self.rides_a_master = rides_a_master
+        # Who is connected to a run's ControlMaster (`mux.observe`), given the peer and
+        # the inode of the gateway's end of the connection.
+        self.mux_clients = mux_clients
         # Why no new work is taken (a full witness buffer, when_full = refuse), or None.
         self.refusing = refusing
         self.admission = admission or Admission(limit=None)  # tests: no limit unless asked
@@ -238,6 +266,9 @@ class Service:
             action_unknown=self.actions.blocking(req.action),
             certify_problem=self.certifier.problem() if self.certifier else NO_ISSUER,
             shared_connection=seen.shared_connection,
+            subject_is_run=subject.kind is SubjectKind.RUN,
+            mux_clients_in_run=seen.mux.in_run if seen.mux else None,
+            mux_seen=seen.mux.seen if seen.mux else "",
             not_journaled=seen.not_journaled,
             records_lost=self.recorder.lost != seen.lost,
             witness_refusing=seen.witness_refusing,
@@ -257,16 +288,18 @@ class Service:
         streams: Any,
         *,
         ack_unknown: bool = False,
+        opened: MuxView | None = None,
     ) -> Result | Failure:
         """The whole life of one exec request; every ending is journaled.
 
         The subject is read again first: identified at connect, it may have exec'd
-        into another program since, and that program is not what was approved."""
+        into another program since, and that program is not what was approved.
+        `opened`: who was connected to a run's ControlMaster as the channel opened."""
         fresh = self.refresh(conn.peer.subject)
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
             req = replace(req, subject_key=fresh.key)
-        arrival = self.arrive(conn, req, conversation)
+        arrival = self.arrive(conn, req, conversation, opened)
         if ack_unknown and req.action is not None:
             self.acknowledge(conn, req, conversation, arrival)
         decided = await self.authorize(conn, req, conversation, arrival)
@@ -282,20 +315,35 @@ class Service:
         finally:
             self.book.discard_command_grant(decided.command_card)
 
-    def arrive(self, conn: AgentConn, req: Request, conversation: str | None) -> Arrival:
+    def arrive(
+        self,
+        conn: AgentConn,
+        req: Request,
+        conversation: str | None,
+        opened: MuxView | None = None,
+    ) -> Arrival:
         """Journal the request's first record and observe what holds for its life. A
-        record that cannot be written is observed too: the gate refuses the request."""
+        record that cannot be written is observed too: the gate refuses the request.
+        Who rides a run's shared connection is read here and was read as the channel
+        opened (`opened`): a process that sent its command and left in between is not
+        seen here, and was there."""
         not_journaled: str | None = None
         try:
             self.recorder.received(conn.peer, req, conversation)
         except (OSError, JournalError) as exc:  # nothing is taken that the journal cannot tell
             log.error("%s: could not journal the request: %s", req.request_id, exc)
             not_journaled = str(exc)
+        shared = self.rides_a_master(conn.peer)
+        mux = None
+        if conn.peer.subject.kind is SubjectKind.RUN and (shared or req.channel is Channel.SHARED):
+            mux = both(opened, self.mux_clients(conn.peer, conn.socket_inode))
+            log.info("%s: shared connection of a run: %s", req.request_id, mux.seen)
         return Arrival(
             not_journaled,
             self.recorder.lost,  # a record lost after this: not sent
-            self.rides_a_master(conn.peer),
+            shared,
             self.refusing(),
+            mux,
         )
 
     def acknowledge(

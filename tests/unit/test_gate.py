@@ -269,8 +269,20 @@ CHANNEL_WORDS = {
 }
 
 
-def refused(facts: dict[str, object]) -> tuple[Request, World]:
-    """The request and world with these facts failing (`channel`: which non-exec one)."""
+# Who the subject of a shared connection is, and what was seen of its ControlMaster's
+# clients: (subject_is_run, mux_clients_in_run, the words a shared connection gets then,
+# or None where a run's shared connection carries the request).
+SHARING: dict[str, tuple[bool, bool | None, str | None]] = {
+    "process": (False, None, ""),  # the words of the fact itself (REFUSALS, CHANNEL_WORDS)
+    "run_all_in_run": (True, True, None),
+    "run_outsider": (True, False, "never those of a process outside the run"),
+    "run_unseen": (True, None, "could not see which processes are connected"),
+}
+
+
+def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request, World]:
+    """The request and world with these facts failing (`channel`: which non-exec one),
+    for a subject and ControlMaster as `sharing` names them (`SHARING`)."""
     user = "root" if facts.get("denied_account") else "cert"
     command = b"echo hi"
     if facts.get("denied_command"):
@@ -298,8 +310,27 @@ def refused(facts: dict[str, object]) -> tuple[Request, World]:
         subject_alive=not facts.get("subject_dead"),
         cards_waiting=MAX_PENDING_CARDS_PER_TENANT if facts.get("cards_at_cap") else 0,
         tenant="uid 1000",
+        subject_is_run=SHARING[sharing][0],
+        mux_clients_in_run=SHARING[sharing][1],
+        mux_seen="a process outside the run (or of another run) is connected",
     )
     return req, w
+
+
+def order_for(sharing: str, channel: Channel | None) -> list[tuple[str, Code, str]]:
+    """REFUSALS as they stand for this subject and ControlMaster: a run whose master
+    only its own processes use drops the shared-connection refusals; another run's
+    words are the run's."""
+    words = SHARING[sharing][2]
+    out = []
+    for name, code, fact_words in REFUSALS:
+        if name == "channel" and channel is not None:
+            fact_words = CHANNEL_WORDS[channel]
+        shared = name == "shared_connection" or (name == "channel" and channel is Channel.SHARED)
+        if shared and words is None:
+            continue
+        out.append((name, code, words if shared and words else fact_words))
+    return out
 
 
 def test_with_no_refusal_fact_the_request_asks_a_card() -> None:
@@ -316,21 +347,23 @@ def test_each_refusal_fact_alone_is_refused_with_its_code(
         assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
 
 
+@pytest.mark.parametrize("sharing", SHARING)
 @pytest.mark.parametrize("channel", [None, *CHANNELS])
-def test_the_first_failing_check_in_contract_order_decides(channel: Channel | None) -> None:
-    """Over every combination of the refusal facts (and each channel), the verdict
-    is exactly the refusal of the first fact that fails, in the contract's order:
-    in particular VAULT_LOCKED whenever the vault is locked."""
+def test_the_first_failing_check_in_contract_order_decides(
+    channel: Channel | None, sharing: str
+) -> None:
+    """Over every combination of the refusal facts (and each channel, and each kind of
+    subject and ControlMaster), the verdict is exactly the refusal of the first fact
+    that fails, in the contract's order: in particular VAULT_LOCKED whenever the vault
+    is locked, and a run's shared connection refused unless every process on its
+    master was seen to be of the run."""
     names = [name for name, _, _ in REFUSALS if name != "channel"]
-    order = [
-        (name, code, CHANNEL_WORDS[channel] if name == "channel" and channel else words)
-        for name, code, words in REFUSALS
-    ]
+    order = order_for(sharing, channel)
     for values in itertools.product([False, True], repeat=len(names)):
         facts: dict[str, object] = {n: v for n, v in zip(names, values, strict=True) if v}
         if channel is not None:
             facts["channel"] = channel
-        verdict = evaluate(*refused(facts))
+        verdict = evaluate(*refused(facts, sharing))
         first = next(((n, c, w) for n, c, w in order if n in facts), None)
         if first is None:
             assert isinstance(verdict, AskSession)
@@ -462,3 +495,31 @@ def test_a_card_without_a_yes_is_a_refusal_that_keeps_why_the_card_was_asked(
     failure = refused.failure("req_1")
     assert (failure.code, failure.reauth_reason) == (code, "policy_changed")
     assert "Nothing was sent" in failure.message or "not queued or sent" in failure.message
+
+
+def test_a_runs_shared_connection_carries_only_what_its_own_processes_send() -> None:
+    """A later channel (or a ControlMaster's first) of a registered run: dispatched under
+    the run's grant when every process on the master is the run's; refused, not
+    retryable, with words to act on, when one is not or none could be seen; and a
+    subject that is not a run is refused as before, told where sharing works."""
+    live = grant()
+    shared = replace(request(), channel=Channel.SHARED)
+    run = world(session=live, subject_is_run=True)
+    for req, w in [(shared, run), (request(), replace(run, shared_connection=True))]:
+        ok = evaluate(req, replace(w, mux_clients_in_run=True, mux_seen="2 connected"))
+        assert isinstance(ok, Dispatch) and ok.session == live
+        out = evaluate(req, replace(w, mux_clients_in_run=False, mux_seen="pid 7 is outside"))
+        assert isinstance(out, Refusal) and out.code is Code.UNSUPPORTED_REQUEST
+        assert not out.code.retryable and "pid 7 is outside" in out.message
+        assert "Nothing was sent" in out.message and "ControlMaster=no" in out.message
+        unseen = evaluate(req, replace(w, mux_seen="uid 1002 cannot be read"))
+        assert isinstance(unseen, Refusal) and unseen.code is Code.UNSUPPORTED_REQUEST
+        assert "could not see" in unseen.message and "uid 1002" in unseen.message
+        assert "--isolated" in unseen.message
+        plain = evaluate(req, replace(w, subject_is_run=False, mux_clients_in_run=True))
+        assert isinstance(plain, Refusal) and "Inside one `bastion run`" in plain.message
+    # A later channel that is not an exec is refused as what it is, run or not.
+    sub = evaluate(
+        replace(request(), channel=Channel.SUBSYSTEM), replace(run, mux_clients_in_run=True)
+    )
+    assert isinstance(sub, Refusal) and "does not open a subsystem" in sub.message

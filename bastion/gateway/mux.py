@@ -1,0 +1,243 @@
+"""Who rides an ssh ControlMaster: observed from the kernel, for the gate.
+
+A ControlMaster sends, on the one connection bastion identified, the commands
+of every process that connects to its control socket. Inside one registered
+run that is fine -- the run is the subject either way -- so the gate lets a
+run's shared connection carry a command when every process connected to the
+master is a process of the run (`core/gate.not_shareable`). This module
+observes that, and decides nothing:
+
+- the master is whoever holds the ssh end of this connection: the peer of the
+  socket the gateway accepted (bastion's ssh config passes the connected socket
+  to ssh, ProxyUseFdpass), found among the run's processes by its inode;
+- each unix stream socket the master holds, but the connection and its
+  listening control socket, is a mux client's (or a descriptor a client passed
+  it); the kernel names each one's peer (NETLINK_SOCK_DIAG, unix_diag with
+  UDIAG_SHOW_PEER: unprivileged, in the gateway's network namespace);
+- every such peer must be held by a process of the run's tree (the registered
+  pid and its descendants, read from /proc: a sandbox's bwrap and its pid 1,
+  the run's subreaper, keep orphans in it).
+
+Anything unreadable, a peer held nowhere in the run (a client outside it, or
+one that already left), a master that is not an ssh client: not in the run.
+/proc/PID/fd of a process of another uid needs a root gateway: an --isolated
+run's master, seen by a gateway that is not root, is unseen (None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from bastion.core.subject import Peer
+from bastion.identity import children
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+UDIAG_SHOW_PEER = 0x4
+UNIX_DIAG_PEER = 2
+TCP_LISTEN = 10
+_NLMSG = struct.Struct("=IHHII")
+_REQ = struct.Struct("=BBHIIIII")  # unix_diag_req
+_MSG = struct.Struct("=BBBBIII")  # unix_diag_msg
+_ATTR = struct.Struct("=HH")
+_STREAMS = {socket.SOCK_STREAM, socket.SOCK_SEQPACKET}
+_MAX_TREE = 4096  # processes of one run walked at most; beyond, not seen
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    """One AF_UNIX socket as the kernel describes it."""
+
+    inode: int
+    kind: int  # SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET
+    state: int  # TCP_LISTEN for a listening socket
+    peer: int  # the inode of the socket it is connected to; 0 when none (or gone)
+
+
+@dataclass(frozen=True)
+class MuxView:
+    """What was seen of the processes connected to a run's ControlMaster."""
+
+    in_run: bool | None  # all of the run (True), one is not (False), not seen (None)
+    seen: str  # in words, for the agent and the log
+
+
+def unix_sockets() -> dict[int, UnixSocket]:
+    """Every AF_UNIX socket of this network namespace, by inode (a sock_diag dump)."""
+    req = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
+    head = _NLMSG.pack(
+        _NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0
+    )
+    found: dict[int, UnixSocket] = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        nl.sendall(head + req)
+        while True:
+            data = nl.recv(1 << 16)
+            if not data:
+                raise OSError("sock_diag: the kernel ended the dump early")
+            off = 0
+            while off + _NLMSG.size <= len(data):
+                length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
+                if length < _NLMSG.size:
+                    raise OSError("sock_diag: a malformed message")
+                if kind == NLMSG_DONE:
+                    return found
+                if kind == NLMSG_ERROR:
+                    (err,) = struct.unpack_from("=i", data, off + _NLMSG.size)
+                    raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
+                if kind == SOCK_DIAG_BY_FAMILY:
+                    entry = _parse(data[off + _NLMSG.size : off + length])
+                    found[entry.inode] = entry
+                off += (length + 3) & ~3
+
+
+def _parse(body: bytes) -> UnixSocket:
+    _, kind, state, _, inode, _, _ = _MSG.unpack_from(body, 0)
+    peer = 0
+    off = _MSG.size
+    while off + _ATTR.size <= len(body):
+        length, attr = _ATTR.unpack_from(body, off)
+        if length < _ATTR.size:
+            break
+        if attr == UNIX_DIAG_PEER:
+            (peer,) = struct.unpack_from("=I", body, off + _ATTR.size)
+        off += (length + 3) & ~3
+    return UnixSocket(inode, kind, state, peer)
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets `pid` holds (/proc/PID/fd); OSError when unreadable
+    (FileNotFoundError once it exited)."""
+    found: set[int] = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                found.add(int(target[len("socket:[") : -1]))
+    return found
+
+
+def run_tree(pid: int) -> list[int]:
+    """The run's process and all its descendants, as /proc shows them now."""
+    out: list[int] = []
+    todo = [pid]
+    while todo and len(out) < _MAX_TREE:
+        p = todo.pop()
+        out.append(p)
+        todo += children(p)
+    return out
+
+
+def _exe_name(pid: int) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)"))
+    except OSError:
+        return ""
+
+
+def observe(peer: Peer, own_socket: int) -> MuxView:
+    """`mux_clients` of the connection `peer` opened, whose subject is a registered run."""
+    return mux_clients(peer.subject.pid, own_socket, peer.pid)
+
+
+def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
+    """Is every process connected to the ControlMaster that holds this connection a
+    process of the run `run_pid`? `own_socket`: the inode of the gateway's end of the
+    connection; `proxy_pid`: the process that connected (`bastion proxy`, which may
+    still hold the socket it handed to ssh for a moment)."""
+    try:
+        table = unix_sockets()
+    except OSError as exc:
+        return MuxView(None, f"the kernel's table of unix sockets could not be read: {exc}")
+    ours = table.get(own_socket)
+    if ours is None or ours.peer == 0:
+        return MuxView(False, "the ssh client's end of this connection is gone")
+    holders: dict[int, set[int]] = {}
+    unreadable: list[int] = []
+    tree = run_tree(run_pid)
+    for pid in tree:
+        try:
+            inodes = socket_inodes(pid)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            unreadable.append(pid)
+            continue
+        for inode in inodes:
+            holders.setdefault(inode, set()).add(pid)
+    if len(tree) >= _MAX_TREE:
+        return MuxView(None, f"the run has more than {_MAX_TREE} processes")
+    masters = holders.get(ours.peer, set()) - {proxy_pid}
+    why_unseen = _unreadable(unreadable)
+    if not masters:
+        if why_unseen:
+            return MuxView(None, why_unseen)
+        return MuxView(False, "the ssh client holding this connection is not a process of the run")
+    for master in sorted(masters):
+        name = _exe_name(master)
+        if name != "ssh":
+            return MuxView(
+                False,
+                f"this connection is held by {name or 'an unreadable program'} (pid {master}), "
+                "not by the ssh client itself (bastion's ssh config hands it to ssh: "
+                "ProxyUseFdpass yes)",
+            )
+        problem = _outsider(master, ours.peer, table, holders)
+        if problem is not None:
+            return (
+                MuxView(None, f"{problem}; {why_unseen}") if why_unseen else MuxView(False, problem)
+            )
+    n = sum(len(_clients(m, ours.peer, table, holders)) for m in masters)
+    return MuxView(True, f"{n} connected to its master (pid {min(masters)}), all of the run")
+
+
+def _clients(
+    master: int, connection: int, table: dict[int, UnixSocket], holders: dict[int, set[int]]
+) -> list[UnixSocket]:
+    """The master's connected unix stream sockets but the connection itself."""
+    mine = [inode for inode, pids in holders.items() if master in pids]
+    return [
+        table[i]
+        for i in mine
+        if i != connection
+        and i in table
+        and table[i].kind in _STREAMS
+        and table[i].state != TCP_LISTEN
+    ]
+
+
+def _outsider(
+    master: int, connection: int, table: dict[int, UnixSocket], holders: dict[int, set[int]]
+) -> str | None:
+    """What connects to `master` from outside the run, or None."""
+    for client in _clients(master, connection, table, holders):
+        if client.peer == 0:
+            return f"a process connected to its master (pid {master}) has left or is unknown"
+        if client.peer not in holders:
+            return (
+                f"a process outside the run (or of another run) is connected to its master "
+                f"(pid {master})"
+            )
+    return None
+
+
+def _unreadable(pids: Iterable[int]) -> str:
+    pids = sorted(pids)
+    if not pids:
+        return ""
+    uids = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            uids.add(os.stat(f"/proc/{pid}").st_uid)
+    who = ", ".join(f"uid {u}" for u in sorted(uids)) or "another uid"
+    return (
+        f"the descriptors of {len(pids)} of the run's processes ({who}) cannot be read by "
+        f"the gateway (uid {os.getuid()})"
+    )
