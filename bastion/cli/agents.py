@@ -1,20 +1,19 @@
-"""Wiring agents to the gateway: host keys to pin, the ssh config, the proxy, `bastion run`.
+"""Wiring agents to the gateway: host keys to pin, the ssh config, the proxy.
 
 None of these need the gateway's secrets: the ssh config pins the gateway's
 public host key inline, and the proxy and `run` only name themselves to the
-agent socket -- the gateway reads who they are from the kernel.
+agent socket -- the gateway reads who they are from the kernel. `bastion run` is
+in `run.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -189,136 +188,6 @@ def proxy(ctx: click.Context, args: tuple[str, ...]) -> None:
     sys.exit(proxy_mod.main(argv))
 
 
-# -- bastion run ------------------------------------------------------------------------------
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_NO_NEW_PRIVS = 38
-TERM_GRACE = 2.0  # seconds the rest of the tree has between SIGTERM and SIGKILL
-KILL_PATIENCE = 10.0  # then give up on what will not die (uninterruptible sleep) and say so
-
-
-def _prctl(option: int, arg: int) -> bool:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    args = (ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    return bool(libc.prctl(ctypes.c_int(option), *args) == 0)
-
-
-def _register(path: Path, label: str) -> str:
-    """Name this very process to the gateway as a run; the gateway reads who it is.
-
-    First it starts a thread that lives as long as the run: an exec of this process
-    would end it, and the gateway can see that it lives where it may not read this
-    process's memory (`run --isolated` runs as root, the gateway need not), so the
-    run keeps its approval without being asked again (docs/architecture.md, "Who is
-    asking")."""
-    import socket
-    import threading
-
-    threading.Thread(target=threading.Event().wait, name="exec-witness", daemon=True).start()
-
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(str(path))
-        header = json.dumps({"register": "run", "label": label}).encode()
-        sock.sendall(proxy_mod.PROTOCOL + header + b"\n")
-        reply = proxy_mod.read_reply(sock).decode("utf-8", "replace").strip()
-    except OSError as exc:
-        fail(f"cannot reach the gateway at {path} ({exc.strerror}); is `bastion daemon` running?")
-    finally:
-        sock.close()
-    if not reply.startswith("OK "):
-        fail(f"the gateway refused to register the run: {reply or 'no reply'}")
-    return reply[3:]
-
-
-def _reap() -> None:
-    """Collect every child that has exited (orphans of the tree are ours)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _end_tree() -> None:
-    """SIGTERM, then SIGKILL after TERM_GRACE, whatever is left below this
-    process (the subreaper: detached processes were reparented here), and reap it."""
-    import signal
-    import time
-
-    import psutil
-
-    me = psutil.Process()
-    termed: set[psutil.Process] = set()
-    start = time.monotonic()
-    while True:
-        _reap()
-        try:
-            left = me.children(recursive=True)
-        except psutil.Error:
-            left = []
-        if not left:
-            return
-        waited = time.monotonic() - start
-        if waited > TERM_GRACE + KILL_PATIENCE:
-            pids = " ".join(str(p.pid) for p in left)
-            click.echo(f"bastion: processes of the run would not die: {pids}", err=True)
-            return
-        for p in left:
-            if waited > TERM_GRACE or p not in termed:
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGKILL if waited > TERM_GRACE else signal.SIGTERM)
-                termed.add(p)
-        time.sleep(0.02)
-
-
-def _supervise(argv: list[str], **popen: Any) -> int:
-    """Run argv as this process's child; return its exit code (128+N for signal N).
-
-    This process is the child subreaper of the tree, so whatever the agent
-    detaches (double fork, setsid) stays below it; SIGINT, SIGTERM and SIGHUP
-    are passed to the child; when the child exits, the rest of the tree is
-    ended and reaped: nothing the agent started outlives the registered run."""
-    import signal
-    import subprocess
-
-    if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
-        click.echo("bastion: cannot adopt the agent's detached processes (prctl)", err=True)
-    try:
-        child = subprocess.Popen(argv, **popen)
-    except (OSError, subprocess.SubprocessError) as exc:
-        fail(f"cannot start {argv[0]}: {getattr(exc, 'strerror', None) or exc}", 127)
-    reaped = False
-
-    def forward(n: int, _frame: object) -> None:
-        if not reaped:  # until then the pid is the child's (alive or a zombie)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, n)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == child.pid:
-            break
-    reaped = True
-    child.returncode = code = os.waitstatus_to_exitcode(status)
-    _end_tree()
-    return code if code >= 0 else 128 - code
-
-
-def _harden() -> None:
-    """In the isolated agent, after the switch to its uid: no setuid gains,
-    and SIGKILL if the run dies first."""
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    _prctl(PR_SET_PDEATHSIG, 9)
-
-
 def refresh_agent_files(home: Home, iso: Isolation) -> str | None:
     """(root) Put the proxy and the agents' ssh config in the socket directory,
     pinned like `bastion ssh-config`. The policy is read as the operator (its
@@ -345,129 +214,3 @@ def refresh_agent_files(home: Home, iso: Isolation) -> str | None:
         text = ssh_config_text(users, pinned_host_key(home), argv, "bastion isolate setup")
         isolation.write_file(iso.ssh_config, text.encode(), 0o640, *owner)
     return warning
-
-
-def agent_env(iso: Isolation, home_dir: Path) -> dict[str, str]:
-    """The isolated agent's whole environment: nothing of the operator's."""
-    return {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "HOME": str(home_dir),
-        "USER": iso.user,
-        "LOGNAME": iso.user,
-        "BASTION_SSH_CONFIG": str(iso.ssh_config),
-    }
-
-
-def _prepare_isolated(home: Home) -> tuple[Isolation, dict[str, Any]]:
-    """Everything `run --isolated` needs before it registers: the record, root,
-    fresh agent files, the checks as the agent user, a private HOME."""
-    import grp
-    import pwd
-    import tempfile
-
-    from bastion import isolation
-
-    try:
-        iso = isolation.load(home)
-    except isolation.IsolationError as exc:
-        fail(str(exc))
-    if iso is None:
-        fail(
-            f"no isolation is set up for {home.root}: run `sudo bastion --home {home.root} "
-            "isolate setup` first"
-        )
-    if os.geteuid() != 0:
-        fail(
-            f"`run --isolated` starts the agent as {iso.user} and needs root: "
-            f"sudo bastion --home {home.root} run --isolated -- CMD..."
-        )
-    try:
-        same = (
-            pwd.getpwnam(iso.user).pw_uid == iso.uid and grp.getgrnam(iso.group).gr_gid == iso.gid
-        )
-    except KeyError:
-        same = False
-    if not same or not iso.socket_dir.is_dir():
-        fail(
-            f"{iso.user}:{iso.group} or {iso.socket_dir} changed or is gone (/run is emptied at "
-            f"boot): run `sudo bastion --home {home.root} isolate setup` again"
-        )
-    try:
-        warning = refresh_agent_files(home, iso)
-        failed = [c for c in isolation.probe(home, iso) if not c.ok]
-    except (OSError, isolation.IsolationError) as exc:
-        fail(f"cannot prepare the agent's files in {iso.socket_dir}: {exc}")
-    if warning:
-        click.echo(f"bastion: {warning}", err=True)
-    if failed:
-        fail(
-            f"refusing to start the agent as {iso.user}: "
-            + "; ".join(c.detail for c in failed)
-            + "; see `bastion isolate check`"
-        )
-    tmp = Path(tempfile.mkdtemp(prefix=f"bastion-{iso.user}-"))
-    os.chown(tmp, iso.uid, iso.gid)
-    popen: dict[str, Any] = {
-        "env": agent_env(iso, tmp),
-        "cwd": tmp,
-        "user": iso.uid,
-        "group": iso.gid,
-        "extra_groups": [iso.gid],
-        # Its own session, without the operator's terminal as its controlling
-        # terminal: it cannot push keystrokes into it (TIOCSTI).
-        "start_new_session": True,
-        "preexec_fn": _harden,
-    }
-    return iso, popen
-
-
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--label", default="", help="Shown on the operator's cards.")
-@click.option("--agent-socket", type=click.Path(path_type=Path), default=None)
-@click.option(
-    "--isolated",
-    is_flag=True,
-    help="Start CMD as the agent user of `bastion isolate setup` (needs root), with a clean "
-    "environment; the agent runs `ssh -F \"$BASTION_SSH_CONFIG\" HOST 'COMMAND'`.",
-)
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.pass_context
-def run(
-    ctx: click.Context,
-    label: str,
-    agent_socket: Path | None,
-    isolated: bool,
-    command: tuple[str, ...],
-) -> None:
-    """Start an agent as a registered run: every ssh anywhere in its process
-    tree is attributed to this one run (read from the live process tree by the
-    gateway, never from an environment variable). Nothing it starts outlives it.
-
-    With --isolated the agent runs as the agent user, in groups of that user's
-    group only, in a fresh private HOME (removed after), with PATH, LANG,
-    LC_ALL, HOME, USER, LOGNAME and BASTION_SSH_CONFIG and nothing else."""
-    import shutil
-
-    home = home_of(ctx)
-    if not isolated:
-        run_id = _register((agent_socket or home.agent_socket).absolute(), label)
-        click.echo(
-            f"bastion: registered {run_id} (pid {os.getpid()}); starting {command[0]}", err=True
-        )
-        sys.exit(_supervise(list(command)))
-    if agent_socket is not None:
-        fail("--isolated uses the agent socket of isolation.json; leave out --agent-socket")
-    iso, popen = _prepare_isolated(home)
-    try:
-        run_id = _register(iso.agent_socket, label)
-        click.echo(
-            f"bastion: registered {run_id} (pid {os.getpid()}); starting {command[0]} "
-            f"as {iso.user} (uid {iso.uid})",
-            err=True,
-        )
-        code = _supervise(list(command), **popen)
-    finally:
-        shutil.rmtree(popen["cwd"], ignore_errors=True)
-    sys.exit(code)

@@ -19,7 +19,7 @@ import click
 
 from bastion import opsock
 from bastion.cli import completion as comp
-from bastion.cli.agents import hostkey, proxy, run, ssh_config
+from bastion.cli.agents import hostkey, proxy, ssh_config
 from bastion.cli.audit import audit
 from bastion.cli.ca import ca
 from bastion.cli.check import check_command
@@ -40,6 +40,7 @@ from bastion.cli.keys import key
 from bastion.cli.mcp import mcp
 from bastion.cli.prompt import approve as run_prompt
 from bastion.cli.prompt import render_card
+from bastion.cli.run import run
 from bastion.cli.service import service
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning

@@ -86,6 +86,9 @@ REGISTRATIONS = frozenset({"run", "front"})  # `bastion run`, `bastion mcp`
 QUERIES = frozenset({"hosts", "request"})  # `bastion mcp`'s ssh_hosts and request_status
 
 
+MAX_GIVEN = 32  # items a run's registration may say it was given
+
+
 @dataclass(frozen=True)
 class Doors:
     """What an agent connection may ask besides SSH (`agent_doors.py`), each given
@@ -114,13 +117,12 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
         fields = loads_line(data[len(PROTOCOL) :])
     except ValueError as exc:
         raise ValueError(f"malformed header: {exc}") from None
-    if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
+    if not isinstance(fields, dict):
         raise ValueError("malformed header")
     if "register" in fields:
-        label = fields.get("label", "")
-        if fields["register"] not in REGISTRATIONS or len(label) > 100 or not label.isprintable():
-            raise ValueError("malformed registration")
-        return fields
+        return _registration(fields)
+    if not all(isinstance(v, str) for v in fields.values()):
+        raise ValueError("malformed header")
     if "query" in fields:
         if fields["query"] not in QUERIES or not all(len(v) <= 200 for v in fields.values()):
             raise ValueError("malformed query")
@@ -128,6 +130,29 @@ async def _read_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
     if not fields.get("host") or not fields.get("user"):
         raise ValueError("header lacks host or user")
     return {"host": fields["host"].lower(), "user": fields["user"]}
+
+
+def _registration(fields: dict[str, Any]) -> dict[str, str]:
+    """`{"register": "run"|"front", "label": L, "sandbox": "on"|"off", "given": [words]}`:
+    `given` (what a sandboxed run was given beyond the defaults, for its cards) comes back
+    one item a line; a client that sends no `sandbox` is not sandboxed."""
+    given = fields.pop("given", [])
+    if (
+        not isinstance(given, list)
+        or len(given) > MAX_GIVEN
+        or not all(isinstance(g, str) and 0 < len(g) <= 300 and g.isprintable() for g in given)
+        or not all(isinstance(v, str) for v in fields.values())
+    ):
+        raise ValueError("malformed registration")
+    label = fields.get("label", "")
+    if (
+        fields["register"] not in REGISTRATIONS
+        or len(label) > 100
+        or not label.isprintable()
+        or fields.get("sandbox", "off") not in ("on", "off")
+    ):
+        raise ValueError("malformed registration")
+    return {**fields, "sandbox": fields.get("sandbox", "off"), "given": "\n".join(given)}
 
 
 class AgentListener:

@@ -1,0 +1,379 @@
+"""`bastion run`: start an agent as a registered run, in a sandbox of its own.
+
+The order is the promise: first the sandbox is checked (`sandbox.prepare`: the
+tool is there, the kernel lets it make namespaces), then this process
+registers itself as the run, then CMD starts under bubblewrap. Where the
+sandbox cannot be made, nothing registers and nothing starts; `--no-sandbox`
+is the explicit way round, and its cards say so.
+
+This process stays outside the sandbox, as its supervisor: it forwards
+SIGINT, SIGTERM and SIGHUP to the processes of the run, and when CMD exits it
+ends whatever is left. If it is killed itself (SIGKILL included), the kernel
+ends the sandbox: bwrap's `--die-with-parent` kills the namespace's first
+process, and with it every process in the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from bastion import sandbox as sandbox_mod
+from bastion.agent import proxy as proxy_mod
+from bastion.cli.agents import refresh_agent_files
+from bastion.cli.common import fail, home_of
+from bastion.home import Home
+
+if TYPE_CHECKING:
+    from bastion.isolation import Isolation
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+TERM_GRACE = 2.0  # seconds the rest of the tree has between SIGTERM and SIGKILL
+KILL_PATIENCE = 10.0  # then give up on what will not die (uninterruptible sleep) and say so
+ISOLATED_HOME = Path("/tmp/home")  # an isolated agent's HOME: in the run's own /tmp
+
+
+def _prctl(option: int, arg: int) -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = (ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    return bool(libc.prctl(ctypes.c_int(option), *args) == 0)
+
+
+def _register(path: Path, label: str, given: list[str] | None) -> str:
+    """Name this very process to the gateway as a run; the gateway reads who it is.
+    `given`: what the sandbox was given beyond the defaults, or None: no sandbox.
+
+    First it starts a thread that lives as long as the run: an exec of this process
+    would end it, and the gateway can see that it lives where it may not read this
+    process's memory (`run --isolated` runs as root, the gateway need not), so the
+    run keeps its approval without being asked again (docs/architecture.md, "Who is
+    asking")."""
+    import socket
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="exec-witness", daemon=True).start()
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+        fields: dict[str, Any] = {"register": "run", "label": label, "sandbox": "off"}
+        if given is not None:
+            fields |= {"sandbox": "on", "given": given}
+        header = json.dumps(fields).encode()
+        sock.sendall(proxy_mod.PROTOCOL + header + b"\n")
+        reply = proxy_mod.read_reply(sock).decode("utf-8", "replace").strip()
+    except OSError as exc:
+        fail(f"cannot reach the gateway at {path} ({exc.strerror}); is `bastion daemon` running?")
+    finally:
+        sock.close()
+    if not reply.startswith("OK "):
+        fail(f"the gateway refused to register the run: {reply or 'no reply'}")
+    return reply[3:]
+
+
+def _reap() -> None:
+    """Collect every child that has exited (orphans of the tree are ours)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _end_tree() -> None:
+    """SIGTERM, then SIGKILL after TERM_GRACE, whatever is left below this
+    process (the subreaper: detached processes were reparented here), and reap it."""
+    import signal
+    import time
+
+    import psutil
+
+    me = psutil.Process()
+    termed: set[psutil.Process] = set()
+    start = time.monotonic()
+    while True:
+        _reap()
+        try:
+            left = me.children(recursive=True)
+        except psutil.Error:
+            left = []
+        if not left:
+            return
+        waited = time.monotonic() - start
+        if waited > TERM_GRACE + KILL_PATIENCE:
+            pids = " ".join(str(p.pid) for p in left)
+            click.echo(f"bastion: processes of the run would not die: {pids}", err=True)
+            return
+        for p in left:
+            if waited > TERM_GRACE or p not in termed:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGKILL if waited > TERM_GRACE else signal.SIGTERM)
+                termed.add(p)
+        time.sleep(0.02)
+
+
+def _sandboxed(pid: int) -> list[int]:
+    """The processes of the run below bwrap (its namespace's first process is bwrap's
+    own): where a signal meant for the agent goes, as a terminal would send it."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        tree = psutil.Process(pid).children(recursive=True)
+        return [p.pid for p in tree if p.name() != sandbox_mod.BWRAP]
+    return []
+
+
+def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
+    """Run argv as this process's child; return its exit code (128+N for signal N).
+
+    This process is the child subreaper of the tree, so whatever the agent
+    detaches (double fork, setsid) stays below it; SIGINT, SIGTERM and SIGHUP
+    are passed on (in a sandbox, to the agent's processes, not to bwrap); when
+    the child exits, the rest of the tree is ended and reaped: nothing the
+    agent started outlives the registered run."""
+    import signal
+    import subprocess
+
+    if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
+        click.echo("bastion: cannot adopt the agent's detached processes (prctl)", err=True)
+    try:
+        child = subprocess.Popen(argv, **popen)
+    except (OSError, subprocess.SubprocessError) as exc:
+        fail(f"cannot start {argv[0]}: {getattr(exc, 'strerror', None) or exc}", 127)
+    reaped = False
+
+    def forward(n: int, _frame: object) -> None:
+        if reaped:  # until then the pid is the child's (alive or a zombie)
+            return
+        for pid in (_sandboxed(child.pid) if sandboxed else []) or [child.pid]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, n)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == child.pid:
+            break
+    reaped = True
+    child.returncode = code = os.waitstatus_to_exitcode(status)
+    _end_tree()
+    return code if code >= 0 else 128 - code
+
+
+def agent_env(iso: Isolation, home_dir: Path) -> dict[str, str]:
+    """The isolated agent's whole environment: nothing of the operator's."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": str(home_dir),
+        "USER": iso.user,
+        "LOGNAME": iso.user,
+        "BASTION_SSH_CONFIG": str(iso.ssh_config),
+    }
+
+
+def _isolation(home: Home) -> Isolation:
+    """Everything `run --isolated` needs before it registers: the record, root,
+    fresh agent files, the checks as the agent user."""
+    import grp
+    import pwd
+
+    from bastion import isolation
+
+    try:
+        iso = isolation.load(home)
+    except isolation.IsolationError as exc:
+        fail(str(exc))
+    if iso is None:
+        fail(
+            f"no isolation is set up for {home.root}: run `sudo bastion --home {home.root} "
+            "isolate setup` first"
+        )
+    if os.geteuid() != 0:
+        fail(
+            f"`run --isolated` starts the agent as {iso.user} and needs root: "
+            f"sudo bastion --home {home.root} run --isolated -- CMD..."
+        )
+    try:
+        same = (
+            pwd.getpwnam(iso.user).pw_uid == iso.uid and grp.getgrnam(iso.group).gr_gid == iso.gid
+        )
+    except KeyError:
+        same = False
+    if not same or not iso.socket_dir.is_dir():
+        fail(
+            f"{iso.user}:{iso.group} or {iso.socket_dir} changed or is gone (/run is emptied at "
+            f"boot): run `sudo bastion --home {home.root} isolate setup` again"
+        )
+    try:
+        warning = refresh_agent_files(home, iso)
+        failed = [c for c in isolation.probe(home, iso) if not c.ok]
+    except (OSError, isolation.IsolationError) as exc:
+        fail(f"cannot prepare the agent's files in {iso.socket_dir}: {exc}")
+    if warning:
+        click.echo(f"bastion: {warning}", err=True)
+    if failed:
+        fail(
+            f"refusing to start the agent as {iso.user}: "
+            + "; ".join(c.detail for c in failed)
+            + "; see `bastion isolate check`"
+        )
+    return iso
+
+
+def _isolated_harden() -> None:
+    """In the isolated agent's bwrap, after the switch to its uid: SIGKILL if the run
+    dies first (bwrap's --die-with-parent does the same one level down)."""
+    _prctl(PR_SET_PDEATHSIG, 9)
+
+
+def _prepare(
+    home: Home,
+    agent_socket: Path,
+    given: sandbox_mod.Given,
+    iso: Isolation | None,
+) -> sandbox_mod.Sandbox:
+    """The run's sandbox, or fail with the reason and the fix: nothing has started."""
+    if iso is None:
+        layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
+        env: dict[str, str] = dict(os.environ)
+        where: dict[str, Any] = {}
+    else:
+        # The agent user's own view: its HOME is a directory in the run's private /tmp
+        # (no other run, and no other agent of that uid, can reach it).
+        layout = sandbox_mod.Layout(
+            bastion_home=home.root.absolute(),
+            agent_dir=iso.socket_dir,
+            home=ISOLATED_HOME,
+            runtime_dir=None,
+            cwd=ISOLATED_HOME,
+        )
+        env = agent_env(iso, ISOLATED_HOME)
+        where = {"chdir": ISOLATED_HOME, "make_dir": True, "user": (iso.uid, iso.gid)}
+    try:
+        return sandbox_mod.prepare(layout, env, given, **where)
+    except sandbox_mod.Unavailable as exc:
+        fail(f"cannot sandbox the agent: {exc.reason}. Fix: {exc.fix}. Nothing was started.")
+    except ValueError as exc:
+        fail(f"cannot sandbox the agent: {exc}")
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--label", default="", help="Shown on the operator's cards.")
+@click.option("--agent-socket", type=click.Path(path_type=Path), default=None)
+@click.option(
+    "--hide",
+    "hide",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Hide one more path from the run (an empty directory, or /dev/null for a file). "
+    "Repeatable; shown on the run's cards.",
+)
+@click.option(
+    "--ro",
+    "ro",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Give the run this path read-only (also one the defaults hide). Repeatable; shown "
+    "on the run's cards.",
+)
+@click.option(
+    "--private-home",
+    is_flag=True,
+    help="An empty HOME of the run's own (the working directory, if inside HOME, stays). "
+    "Shown on the run's cards.",
+)
+@click.option(
+    "--no-sandbox",
+    is_flag=True,
+    help="Start CMD without a sandbox: it can reach everything your user can (the operator's "
+    'tmux, terminal, session bus). Its cards say "not sandboxed".',
+)
+@click.option(
+    "--isolated",
+    is_flag=True,
+    help="Start CMD as the agent user of `bastion isolate setup` (needs root), with a clean "
+    "environment, in a sandbox of its own; the agent runs "
+    "`ssh -F \"$BASTION_SSH_CONFIG\" HOST 'COMMAND'`.",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    label: str,
+    agent_socket: Path | None,
+    hide: tuple[Path, ...],
+    ro: tuple[Path, ...],
+    private_home: bool,
+    no_sandbox: bool,
+    isolated: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Start an agent as a registered run, in a sandbox of its own: every ssh
+    anywhere in its process tree is attributed to this one run (read from the
+    live process tree by the gateway, never from an environment variable), and
+    nothing it starts outlives it.
+
+    The sandbox (bubblewrap, Landlock, no_new_privs) hides the bastion home but
+    the agent socket, $XDG_RUNTIME_DIR, ~/.gnupg, the private keys in ~/.ssh,
+    tmux and screen sockets, and gives the run its own /tmp; the run sees no
+    process outside it and has no controlling terminal of yours. Where the
+    sandbox cannot be made, nothing starts: the message says what to install or
+    turn on.
+
+    With --isolated the agent runs as the agent user, in groups of that user's
+    group only, in a private HOME, with PATH, LANG, LC_ALL, HOME, USER, LOGNAME
+    and BASTION_SSH_CONFIG and nothing else."""
+    home = home_of(ctx)
+    given = sandbox_mod.Given(
+        tuple(p.absolute() for p in hide), tuple(p.absolute() for p in ro), private_home
+    )
+    if no_sandbox and given != sandbox_mod.Given():
+        fail("--hide, --ro and --private-home shape the sandbox; --no-sandbox has none")
+    iso = None
+    if isolated:
+        if agent_socket is not None:
+            fail("--isolated uses the agent socket of isolation.json; leave out --agent-socket")
+        if no_sandbox:
+            fail("--isolated runs always get a sandbox; leave out --no-sandbox")
+        iso = _isolation(home)
+    socket_path = iso.agent_socket if iso else (agent_socket or home.agent_socket).absolute()
+    box = None if no_sandbox else _prepare(home, socket_path, given, iso)
+    run_id = _register(socket_path, label, None if box is None else given.words())
+    what = "unsandboxed" if box is None else "in its sandbox"
+    who = f" as {iso.user} (uid {iso.uid})" if iso else ""
+    click.echo(
+        f"bastion: registered {run_id} (pid {os.getpid()}); starting {command[0]} {what}{who}",
+        err=True,
+    )
+    if box is None:
+        sys.exit(_supervise(list(command), False))
+    popen: dict[str, Any] = {
+        "env": box.env,
+        # Its own session, without the operator's terminal as its controlling
+        # terminal: it cannot push keystrokes into it (TIOCSTI).
+        "start_new_session": True,
+        "preexec_fn": box.preexec,
+    }
+    if iso is not None:
+        popen |= {"user": iso.uid, "group": iso.gid, "extra_groups": [iso.gid], "cwd": "/"}
+
+        def preexec() -> None:
+            _isolated_harden()
+            box.preexec()
+
+        popen["preexec_fn"] = preexec
+    sys.exit(_supervise(box.command(command), True, **popen))
