@@ -66,7 +66,21 @@ def held(bastion: Bastion, tmp_path: Path) -> Iterator[HeldCard]:
 # -- terminal multiplexers ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["default", "tmux_tmpdir"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "default",
+        "tmux_tmpdir",
+        pytest.param(
+            "socket_flag",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="hole: a tmux server started with -S PATH is reachable from inside "
+                "a run (only $TMUX_TMPDIR and /tmp are hidden, not the socket $TMUX names)",
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("attack", ["send-keys", "new-window"])
 def test_tmux_from_inside_a_run_cannot_answer_the_card(
     bastion: Bastion, tmp_path: Path, attack: str, where: str
@@ -74,7 +88,8 @@ def test_tmux_from_inside_a_run_cannot_answer_the_card(
     """The operator's tmux runs `bastion approve` in a pane, and `bastion run` was started
     from another pane of it ($TMUX names the server's socket). `where`: the socket in the
     default /tmp/tmux-UID, or under TMUX_TMPDIR in the test's directory (visible from the
-    run unless the sandbox hides what $TMUX names)."""
+    run unless the sandbox hides what $TMUX names), or given with `tmux -S PATH` (the
+    socket only $TMUX names)."""
     if not shutil.which("tmux"):
         pytest.skip("tmux is not installed")
     name = f"bt-{uuid.uuid4().hex[:8]}"
@@ -83,6 +98,8 @@ def test_tmux_from_inside_a_run_cannot_answer_the_card(
         (tmp_path / "tx").mkdir()
         env["TMUX_TMPDIR"] = str(tmp_path / "tx")
     tmux = ["tmux", "-L", name]
+    if where == "socket_flag":
+        tmux = ["tmux", "-S", str(tmp_path / "op.sock")]
     approve = shlex.join(cli_argv(bastion.home.root, "approve"))
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", "op", "-x", "200", "-y", "50", approve],
@@ -134,7 +151,8 @@ def test_screen_stuff_from_inside_a_run_cannot_answer_the_card(
         stuff = ["screen", "-S", name, "-X", "stuff", decide(bastion, held.card) + "\n"]
         r = inside(held.agent, *stuff)
         assert r.rc != 0, r.stderr
-        assert "No screen session found" in r.stdout + r.stderr, r.stdout + r.stderr
+        said = r.stdout.decode(errors="replace") + r.stderr
+        assert "No screen session found" in said, said
         held.assert_held()
         assert sh(*stuff).returncode == 0  # positive control: outside, the shell runs it
         held.wait_ran()
@@ -373,10 +391,15 @@ def test_systemd_run_user_from_inside_a_run_cannot_reach_the_user_manager(
     )
     assert inside(h.agent, PY, "-c", probe).stdout.strip() != b"connected"
     h.assert_held()
-    outside = sh(*argv, env=env)
-    assert "Failed to connect to bus" not in outside.stderr, outside.stderr  # it got there
-    assert sh(PY, "-c", probe).stdout.strip() == "connected"
     h.deny()
+    try:  # it gets to the bus, and fails (or waits) only because no manager answers there
+        outside = subprocess.run(
+            argv, capture_output=True, text=True, timeout=5, env={**os.environ, **env}
+        )
+        assert "Failed to connect to bus" not in outside.stderr, outside.stderr
+    except subprocess.TimeoutExpired:
+        pass
+    assert sh(PY, "-c", probe).stdout.strip() == "connected"
 
 
 # -- cron and at --------------------------------------------------------------------------
@@ -591,11 +614,12 @@ def test_proc_inside_lists_only_the_runs_processes(bastion: Bastion, held: HeldC
     # The run: its init (bwrap, or what stands in), the helper, ssh and its proxy, the
     # lister. Nothing of the gateway, the test or the operator.
     assert len(seen) < 12, seen
-    everything = " | ".join(seen.values())
-    assert " daemon" not in everything and "pytest" not in everything, seen
-    assert str(bastion.gateway_pid) not in seen
+    gateway = f"--home {bastion.home.root} daemon"
+    for needle in (gateway, "-m pytest", "approve"):
+        assert not [c for c in seen.values() if needle in c], (needle, seen)
     outside = json.loads(sh(PY, "-c", LIST_PROC).stdout)  # positive control
-    assert str(bastion.gateway_pid) in outside and str(os.getpid()) in outside
+    assert [c for c in outside.values() if gateway in c], outside
+    assert str(os.getpid()) in outside
     held.assert_held()
     held.deny()
 
@@ -610,7 +634,9 @@ for path in sys.argv[1:]:
         if path.endswith(".sock"):
             s = socket.socket(socket.AF_UNIX); s.connect(path); s.close()
         elif os.path.isdir(path):
-            os.listdir(path)
+            if not os.listdir(path):
+                out[path] = "empty"
+                continue
         else:
             open(path, "rb").read()
         out[path] = "ok"
