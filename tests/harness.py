@@ -551,3 +551,70 @@ def journal_frozen(home: Home) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["chattr", "-i", str(segment)], check=True)
+
+
+# -- sandboxed runs (tests/integration/test_sandbox_attacks.py, test_sandbox_runs.py) ------
+
+
+def run_agent(
+    b: Bastion,
+    *run_args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Agent:
+    """An `Agent` whose helper runs inside `bastion run [RUN_ARGS] --` (the agent's pid is
+    that of `bastion run`); `cwd` is the run's working directory (the project)."""
+    chdir = ("env", "-C", str(cwd)) if cwd is not None else ()
+    launcher = (*chdir, *cli_argv(b.home.root, "run", *run_args, "--"))
+    agent = Agent(b.config, env, launcher=launcher)
+    b.agents.append(agent)
+    return agent
+
+
+def inside(agent: Agent, *argv: str, timeout: float = 120) -> Result:
+    """Run one program inside `agent`'s run (not through ssh) and wait for it."""
+    return agent.wait(agent.start([], argv=list(argv)), timeout=timeout)
+
+
+def pending_ids(b: Bastion) -> list[str]:
+    return [c["id"] for c in b.op("pending")]
+
+
+@dataclass
+class HeldCard:
+    """A run whose session card is pending: `touch MARKER` on the target is waiting for
+    the operator. Attacks from inside the run try to get it answered."""
+
+    b: Bastion
+    agent: Agent
+    rid: int
+    card: dict[str, Any]
+    marker: Path
+
+    def assert_held(self) -> None:
+        """The card is still the one pending and nothing ran on the target."""
+        assert pending_ids(self.b) == [self.card["id"]], "the card was answered"
+        assert not self.marker.exists(), "the command ran on the target"
+
+    def deny(self) -> None:
+        self.b.answer(self.card, False)
+        assert self.agent.wait(self.rid).code == "SESSION_DENIED"
+        assert not self.marker.exists()
+
+    def wait_ran(self) -> None:
+        """The card was answered yes by someone (a positive control): the command ran."""
+        result = self.agent.wait(self.rid)
+        assert result.rc == 0, result.stderr
+        assert self.marker.exists()
+
+
+def held_card(
+    b: Bastion, marker: Path, *run_args: str, env: dict[str, str] | None = None
+) -> HeldCard:
+    """Start a default `bastion run` whose agent asks to `touch MARKER` on web1, and wait
+    for its session card."""
+    agent = run_agent(b, "--label", "attacker", *run_args, env=env)
+    rid = agent.start(f"touch {marker}")
+    card = b.next_card()
+    assert card["subject"]["pid"] == agent.pid, card
+    return HeldCard(b, agent, rid, card, marker)
