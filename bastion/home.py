@@ -56,6 +56,13 @@ class Home:
         return self.run / "agent.sock"
 
     @property
+    def agent_known_hosts(self) -> Path:
+        """A copy of `known_hosts` in the agents' directory (the gateway writes it at
+        start): a sandboxed run, which cannot see the rest of the home, reads the pin
+        here (`bastion mcp` inside a run)."""
+        return self.run / "known_hosts"
+
+    @property
     def operator_dir(self) -> Path:
         """The operator socket and the gateway's records of its lifetime: never
         bound into a sandbox (the agents' door is `run/`)."""

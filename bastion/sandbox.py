@@ -77,7 +77,41 @@ SYSTEM_DEPUTIES = (
     "/var/spool/at",
     "/var/spool/atjobs",
     "/run/screen",
+    # Container and VM managers: whoever reaches them (a member of the docker group) is root.
+    "/run/docker.sock",
+    "/run/containerd",
+    "/run/podman",
+    "/run/libvirt",
+    "/run/snapd.socket",
+    "/run/snapd-snap.socket",
 )
+# What the operator will run later, so a run must not change it: the shell's start-up
+# files, what a session starts by itself, and (see `installation`) bastion itself.
+PERSISTENT = (
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".profile",
+    ".zshrc",
+    ".zshenv",
+    ".zprofile",
+    ".zlogin",
+    ".kshrc",
+    ".mkshrc",
+    ".inputrc",
+    ".tmux.conf",
+    ".screenrc",
+    ".config/fish",
+    ".config/tmux",
+    ".config/systemd",
+    ".config/autostart",
+    ".config/environment.d",
+    ".local/share/systemd",
+    ".config/bastion",
+)
+# A run started by root owns what root owns: the system's own files stay read-only.
+ROOT_READ_ONLY = ("/etc", "/usr", "/boot", "/opt", "/var/lib", "/var/spool")
 NAMESPACE_WORDS = {"user": "user", "pid": "PID", "mnt": "mount", "ipc": "IPC"}
 PRIVATE_KEY_MARKS = (b"PRIVATE KEY", b"SSH2 ENCRYPTED PRIVATE KEY", b"PuTTY-User-Key-File")
 
@@ -123,6 +157,7 @@ class Layout:
     runtime_dir: Path | None  # $XDG_RUNTIME_DIR (or /run/user/UID)
     cwd: Path
     extra_hidden: tuple[Path, ...] = field(default=())  # SSH_AUTH_SOCK, TMUX_TMPDIR, ...
+    read_only: tuple[Path, ...] = field(default=())  # rc files, autostart, bastion itself
 
 
 def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) -> Layout:
@@ -133,6 +168,8 @@ def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) ->
     for name in ("SSH_AUTH_SOCK", "TMUX_TMPDIR", "SCREENDIR"):
         if env.get(name):
             extra.append(Path(env[name]))
+    if env.get("TMUX"):  # "socket,pid,session": a server started with -S lives anywhere
+        extra.append(Path(env["TMUX"].split(",")[0]))
     extra.append(home / ".screen")
     return Layout(
         bastion_home=bastion_home.absolute(),
@@ -141,7 +178,23 @@ def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) ->
         runtime_dir=Path(runtime),
         cwd=Path.cwd(),
         extra_hidden=tuple(extra),
+        read_only=(*(home / p for p in PERSISTENT), *installation()),
     )
+
+
+def installation() -> tuple[Path, ...]:
+    """bastion as the operator runs it: its package, the Python environment it runs in
+    and its `bastion` command. A run that could rewrite them would rewrite the next
+    `bastion approve`."""
+    import sys
+
+    import bastion
+
+    found = [Path(bastion.__file__).resolve().parent, Path(sys.prefix).resolve()]
+    command = shutil.which("bastion")
+    if command:
+        found.append(Path(command).resolve())
+    return tuple(found)
 
 
 def _exists(p: Path) -> bool:
@@ -203,11 +256,15 @@ def plan(
     runs as root."""
     argv = [*namespaces(root), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if root:
-        # ssh as root switches to root's own groups to run KnownHostsCommand, and a user
-        # namespace denies setgroups: root's run keeps the two capabilities for that
-        # (never CAP_SYS_ADMIN: no mount of the sandbox can be undone) and no user namespace.
-        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        # ssh as root sets root's own groups to run KnownHostsCommand, and a user
+        # namespace denies setgroups: root's run has no user namespace and keeps
+        # CAP_SETGID alone (no CAP_SETUID: it cannot become another user; no
+        # CAP_SYS_ADMIN: no mount of the sandbox can be undone).
+        argv += ["--cap-add", "CAP_SETGID"]
     argv += ["--bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    for p in [*(ROOT_READ_ONLY if root else ()), *layout.read_only]:
+        if os.path.isdir(p) or os.path.isfile(p):
+            argv += ["--ro-bind", str(p), str(p)]
     hidden: list[Path] = [layout.bastion_home]
     if layout.runtime_dir is not None:
         hidden.append(layout.runtime_dir)

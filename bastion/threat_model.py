@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 LIMIT = (
-    "a run shares the files it was given (your user's, less what is hidden) with whatever "
-    "else you run there: another run in the same project, your next shell"
+    "a run shares the files it was given (your user's, less what is hidden or read-only) "
+    "with whatever else you run there: another run in the same project, a script of the "
+    "project you run later"
 )
 
 THREAT_COLUMNS = (
@@ -90,8 +91,14 @@ THREATS: tuple[tuple[str, str, str, str], ...] = (
         "",
     ),
     (
+        "plant what you run next (`~/.bashrc`, a systemd user unit, bastion itself)",
+        "cannot: read-only in a run",
+        "can",
+        "",
+    ),
+    (
         "read and change your files (the project, `~`)",
-        "can: everything your user can that is not hidden "
+        "can: everything your user can that is not hidden or read-only "
         "(`--ro`, `--hide`, `--private-home` narrow it)",
         "can",
         "only what the agent user may",

@@ -394,6 +394,7 @@ class Gateway:
     async def run(self) -> None:
         home = self.home
         home.make_dirs()
+        _copy_pin(home)
         self._loop = asyncio.get_running_loop()
         self._load_previous_lifetime()
         with contextlib.suppress(opsock.OperatorError):
@@ -493,6 +494,17 @@ def _write_private(path: Path, doc: dict[str, Any], what: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not record %s for the next lifetime: %s", what, exc)
+
+
+def _copy_pin(home: Home) -> None:
+    """The gateway's public host key line, where a sandboxed run can read it."""
+    with contextlib.suppress(OSError):
+        line = home.known_hosts.read_bytes()
+        if not home.agent_known_hosts.exists() or home.agent_known_hosts.read_bytes() != line:
+            tmp = home.agent_known_hosts.with_suffix(".tmp")
+            tmp.write_bytes(line)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, home.agent_known_hosts)
 
 
 def agent_listen_socket(settings: Settings) -> socket.socket:

@@ -71,14 +71,7 @@ def held(bastion: Bastion, tmp_path: Path) -> Iterator[HeldCard]:
     [
         "default",
         "tmux_tmpdir",
-        pytest.param(
-            "socket_flag",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="hole: a tmux server started with -S PATH is reachable from inside "
-                "a run (only $TMUX_TMPDIR and /tmp are hidden, not the socket $TMUX names)",
-            ),
-        ),
+        "socket_flag",
     ],
 )
 @pytest.mark.parametrize("attack", ["send-keys", "new-window"])
@@ -694,3 +687,86 @@ def test_the_home_the_operator_socket_and_private_keys_are_hidden(
         assert set(outside.values()) == {"ok"}, outside
         assert "held" in sh("ssh-add", "-l", env={"SSH_AUTH_SOCK": str(agent_sock)}).stdout
         h.deny()
+
+
+# -- what the operator runs later ------------------------------------------------------------
+
+PLANT = """
+import json, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        with open(path, "a") as f:
+            f.write("bastion decide ANY approve\\n")
+        out[path] = "written"
+    except OSError as exc:
+        out[path] = exc.strerror
+print(json.dumps(out))
+"""
+
+
+def test_a_run_cannot_plant_what_the_operator_runs_next(bastion: Bastion, tmp_path: Path) -> None:
+    """The operator's shell start-up files, a systemd user unit and bastion's own code
+    are read-only in a run: appending `bastion decide ... approve` to any of them fails.
+    The control appends to the same files from outside, where it works."""
+    import bastion as package
+
+    home = tmp_path / "operator-home"
+    (home / ".config" / "systemd" / "user").mkdir(parents=True)
+    targets = [home / ".bashrc", home / ".profile", home / ".zshrc"]
+    targets.append(home / ".config" / "systemd" / "user" / "agent.service")
+    for t in targets:
+        t.write_text("# the operator's\n")
+    code = Path(package.__file__).parent / "cli" / "run.py"
+    h = held_card(bastion, tmp_path / "marker", env={"HOME": str(home)})
+    paths = [str(p) for p in [*targets, code]]
+    seen = json.loads(inside(h.agent, PY, "-c", PLANT, *paths).stdout)
+    assert {p: why for p, why in seen.items() if why == "written"} == {}, seen
+    assert all(why == "Read-only file system" for why in seen.values()), seen
+    assert all("ANY" not in Path(p).read_text() for p in paths)
+    h.assert_held()
+    # The control: the same writes from outside the run land (not on bastion's own code).
+    control = subprocess.run(
+        [PY, "-c", PLANT, *paths[:-1]], capture_output=True, text=True, check=True
+    )
+    assert set(json.loads(control.stdout).values()) == {"written"}
+    h.deny()
+
+
+SETUID = """
+import json, os
+out = {}
+try:
+    with open("/etc/bastion-planted", "w") as f:
+        f.write("x")
+    out["etc"] = "written"
+except OSError as exc:
+    out["etc"] = exc.strerror
+try:
+    os.setresuid(65534, 65534, 65534)
+    out["setuid"] = "became nobody"
+except OSError as exc:
+    out["setuid"] = exc.strerror
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what a run started by root keeps")
+def test_a_run_started_by_root_cannot_become_another_user_or_change_the_system(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    """Root's run has no user namespace (ssh as root must set its groups), so it keeps
+    CAP_SETGID alone: it cannot switch to another user (and read their keys), and /etc
+    is read-only. The control, outside, does both."""
+    h = held_card(bastion, tmp_path / "marker")
+    seen = json.loads(inside(h.agent, PY, "-c", SETUID).stdout)
+    assert seen == {"setuid": "Operation not permitted", "etc": "Read-only file system"}, seen
+    control = subprocess.run(
+        [PY, "-c", SETUID.replace("/etc/bastion-planted", str(tmp_path / "etc-planted"))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(control.stdout) == {"setuid": "became nobody", "etc": "written"}
+    assert not Path("/etc/bastion-planted").exists()
+    h.deny()

@@ -213,11 +213,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: `bastion mcp` inside a run reads $BASTION_HOME's gateway host key, which the "
-    "sandbox hides: 'cannot read the gateway's host key (No such file or directory)'",
-)
 def test_bastion_mcp_started_by_an_mcp_client_inside_a_run(bastion: Bastion) -> None:
     pytest.importorskip("mcp")
     agent = run_agent(bastion, "--label", "mcp")

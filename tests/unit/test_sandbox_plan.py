@@ -101,7 +101,24 @@ def test_a_private_home_keeps_the_project_it_works_on(layout: Layout) -> None:
 def test_root_keeps_only_what_ssh_needs_and_no_user_namespace(layout: Layout) -> None:
     argv = sandbox.plan(layout, root=True)
     assert "--unshare-user" not in argv and "--unshare-pid" in argv
-    assert _pairs(argv, "--cap-add") == ["CAP_SETUID", "CAP_SETGID"]
+    assert _pairs(argv, "--cap-add") == ["CAP_SETGID"]  # never CAP_SETUID: no other user
+    assert ("/etc", "/etc") in _binds(argv, "--ro-bind")
+    assert ("/etc", "/etc") not in _binds(sandbox.plan(layout), "--ro-bind")
+
+
+def test_what_the_operator_runs_later_is_read_only(tmp_path: Path, layout: Layout) -> None:
+    """Shell start-up files, autostart and bastion's own installation: bound read-only
+    before anything is hidden (so what hides inside them still hides)."""
+    (layout.home / ".bashrc").write_text("")
+    env = {"HOME": str(layout.home), "TMUX": "/srv/op.sock,123,0"}
+    real = sandbox.layout_of(layout.bastion_home, layout.agent_dir / "agent.sock", env)
+    assert layout.home / ".bashrc" in real.read_only
+    assert Path(sandbox.__file__).resolve().parent in real.read_only  # bastion's package
+    assert Path("/srv/op.sock") in real.extra_hidden  # the socket $TMUX names
+    argv = sandbox.plan(real)
+    bashrc = str(layout.home / ".bashrc")
+    assert (bashrc, bashrc) in _binds(argv, "--ro-bind")
+    assert argv.index(bashrc) < argv.index(str(layout.bastion_home))
 
 
 def test_the_environment_loses_what_names_a_deputy() -> None:
