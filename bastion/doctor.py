@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bastion import isolation, opsock
+from bastion import isolation, opsock, sandbox
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import CA_LABEL_PREFIX, Auth
 from bastion.core.policy import Host, Policy, PolicyError
@@ -202,6 +202,30 @@ def judge_isolation(
         return Check(name, Status.FAIL, detail, f"`{check}` names each; then {setup}")
     detail = f"strong: agents run as uid {iso.uid} ({iso.user}); memory checked once it runs"
     return Check(name, Status.OK, detail)
+
+
+def judge_sandbox(machine: sandbox.Machine) -> list[Check]:
+    """Can a default `bastion run` make its sandbox here, and does the kernel scope it?"""
+    if machine.unavailable is not None:
+        told = machine.unavailable
+        checks = [Check("sandbox", Status.FAIL, f"`bastion run` cannot: {told.reason}", told.fix)]
+    else:
+        detail = "a default `bastion run` gets a sandbox of its own (bubblewrap, namespaces)"
+        checks = [Check("sandbox", Status.OK, detail)]
+    if machine.landlock >= sandbox.LANDLOCK_SCOPES_ABI:
+        detail = f"Landlock ABI {machine.landlock}: abstract sockets and signals scoped to a run"
+        checks.append(Check("landlock", Status.OK, detail))
+    else:
+        detail = (
+            f"Landlock ABI {machine.landlock}: a run can reach abstract unix sockets made "
+            "outside it (an X11 display); scopes need ABI 6 (Linux 6.12)"
+        )
+        checks.append(Check("landlock", Status.WARN, detail, "a newer kernel"))
+    return checks
+
+
+def check_sandbox(_ctx: Context) -> list[Check]:
+    return judge_sandbox(sandbox.machine())
 
 
 def check_isolation(ctx: Context) -> list[Check]:
@@ -477,8 +501,8 @@ def check_hosts(ctx: Context) -> list[Check]:
 
 CheckFn = Callable[[Context], list[Check]]
 CHECKS: tuple[CheckFn, ...] = (
-    check_ssh_client, check_gateway, check_vault, check_isolation, check_modes, check_config,
-    check_policy, check_hosts, check_witness, check_keyring,
+    check_ssh_client, check_gateway, check_vault, check_sandbox, check_isolation, check_modes,
+    check_config, check_policy, check_hosts, check_witness, check_keyring,
 )  # fmt: skip
 
 

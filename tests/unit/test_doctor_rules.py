@@ -310,3 +310,15 @@ def test_a_host_must_present_its_pinned_key() -> None:
     down = doctor.judge_host(host, None, "Connect call failed")
     assert down.status is Status.FAIL and "10.0.0.5:2222 unreachable" in down.detail
     assert "/p/a.toml" in (down.fix or "")
+
+
+def test_the_sandbox_says_what_a_run_gets_here_and_the_fix_when_it_cannot() -> None:
+    from bastion import sandbox
+
+    ok = doctor.judge_sandbox(sandbox.Machine(None, 7))
+    assert [c.status for c in ok] == [doctor.Status.OK, doctor.Status.OK]
+    off = sandbox.Unavailable("user namespaces are turned off", "sudo sysctl -w x=1")
+    bad = doctor.judge_sandbox(sandbox.Machine(off, 4))
+    assert bad[0].status is doctor.Status.FAIL and bad[0].fix == "sudo sysctl -w x=1"
+    assert "turned off" in bad[0].detail
+    assert bad[1].status is doctor.Status.WARN and "X11" in bad[1].detail
