@@ -335,3 +335,65 @@ def test_run_keeps_detached_processes_in_its_tree_and_ends_them(bastion: Bastion
         assert _processes("sleep", "303.5") == [] and _processes("sleep", "304.5") == []
     finally:
         _finish(run)
+
+
+PAIR_A = """
+set -e
+cfg="$BASTION_SSH_CONFIG"
+echo a-secret > /tmp/a-secret
+echo a-home > "$HOME/a-file"
+ssh -F "$cfg" -M -S {cp} -o ControlPersist=60 -N -f web1
+ssh -F "$cfg" -S {cp} web1 'echo a-rides'
+echo "$$" > {ready}
+sleep 300
+"""
+
+PAIR_B = """
+a={a_pid}
+echo "proc: $(ls /proc | grep -c '^[0-9]')"
+kill -0 "$a" 2>/dev/null && echo "signal: sent" || echo "signal: refused"
+test -e "/proc/$a" && echo "see: yes" || echo "see: no"
+cat /tmp/a-secret 2>/dev/null && echo "tmp: read" || echo "tmp: no"
+echo b > /tmp/a-secret; echo b > "$HOME/a-file"
+ssh -F "$BASTION_SSH_CONFIG" -S {cp} web1 'touch {marker}'
+echo "ssh: $?"
+"""
+
+
+def test_two_isolated_runs_share_a_uid_not_a_view(isolated: Isolated, tmp_path: Path) -> None:
+    """Runs A and B both as the agent user: B cannot see, signal or trace A, reach A's
+    /tmp or HOME, or send through A's ControlMaster (its socket in a directory both may
+    use); A's approval covers nothing B sends. The controls: root outside sees A and
+    reads A's /tmp through /proc, and A's own client rides its master."""
+    b = isolated.b
+    shared = Path(tempfile.mkdtemp(prefix="pair", dir="/var/tmp/bt"))
+    shared.chmod(0o1777)
+    cp, ready, marker = shared / "cm", shared / "ready", shared / "b-ran"
+    script_a = PAIR_A.format(cp=cp, ready=ready)
+    run_a = _cli(b, "run", "--isolated", "--label", "pair-a", "--", "sh", "-c", script_a)
+    try:
+        card = b.next_card()
+        assert card["subject"]["pid"] == run_a.pid and card["subject"]["sandboxed"] is True
+        b.answer(card, True)
+        wait_for(lambda: ready.exists() and ready.read_text().strip(), timeout=60)
+        assert run_a.stdout is not None and run_a.stdout.readline() == "a-rides\n"
+        a_pid = int(ready.read_text())  # as A's namespace numbers it
+        a_sh = next(p for p in _processes("sleep", "300") if _below(p, run_a.pid))
+        # The controls, from outside: root sees A's shell and reads its private /tmp.
+        assert Path(f"/proc/{a_sh}/root/tmp/a-secret").read_text() == "a-secret\n"
+        script_b = PAIR_B.format(a_pid=a_sh, cp=cp, marker=marker)
+        run_b = _cli(b, "run", "--isolated", "--label", "pair-b", "--", "sh", "-c", script_b)
+        out, err = run_b.communicate(timeout=120)
+        lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+        assert lines["see"] == "no" and lines["signal"] == "refused", out
+        assert lines["tmp"] == "no", out  # B's /tmp is its own
+        assert int(lines["proc"]) <= 6, out  # its own few: bwrap, sh, a subshell, ls, grep
+        assert lines["ssh"] == "77" and "UNSUPPORTED_REQUEST" in err, (out, err)
+        assert not marker.exists(), "B's command ran on A's approval"
+        assert Path(f"/proc/{a_sh}/root/tmp/a-secret").read_text() == "a-secret\n"
+        assert Path(f"/proc/{a_sh}/root/tmp/home/a-file").read_text() == "a-home\n"
+        assert a_pid != a_sh  # A's own numbering is its namespace's
+        assert [c["id"] for c in b.op("pending")] == []  # B asked nothing on A's behalf
+    finally:
+        _finish(run_a)
+        shutil.rmtree(shared, ignore_errors=True)

@@ -19,12 +19,11 @@ import pytest
 from tests.harness import Agent, Bastion, cli_argv, wait_for
 
 
-def _run_launcher(bastion: Bastion, label: str) -> tuple[str, ...]:
-    """`bastion run` without its sandbox where the CLI has one: this is about the
-    gateway knowing the run, which an unsandboxed run tests without bubblewrap."""
+def _run_launcher(bastion: Bastion, label: str, sandboxed: bool = False) -> tuple[str, ...]:
+    """`bastion run`, by default without its sandbox: this is about the gateway knowing
+    the run, which an unsandboxed run tests without bubblewrap."""
     cli = (sys.executable, "-m", "bastion.cli", "--home", str(bastion.home.root))
-    helptext = subprocess.run([*cli, "run", "--help"], capture_output=True, text=True).stdout
-    extra = ("--no-sandbox",) if "--no-sandbox" in helptext else ()
+    extra = () if sandboxed else ("--no-sandbox",)
     return (*cli, "run", *extra, "--label", label, "--")
 
 
@@ -51,8 +50,14 @@ def test_a_process_in_other_namespaces_cannot_speak_for_the_operator(bastion: Ba
     assert "inside a sandboxed run" in inside.stderr, inside.stderr
 
 
-def test_a_run_is_still_the_run_after_the_gateway_is_killed(bastion: Bastion) -> None:
-    agent = Agent(bastion.config, launcher=_run_launcher(bastion, "survivor"))
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
+def test_a_run_is_still_the_run_after_the_gateway_is_killed(
+    bastion: Bastion, sandboxed: bool
+) -> None:
+    """SIGKILL of the gateway, restart, unlock: the still-running run cannot answer its
+    new card (sandboxed, it does not even see the operator socket; unsandboxed, the
+    restored run's tree is refused), and the card knows the run."""
+    agent = Agent(bastion.config, launcher=_run_launcher(bastion, "survivor", sandboxed))
     bastion.agents.append(agent)
     rid = agent.start("true")
     card = bastion.next_card()
@@ -75,10 +80,12 @@ def test_a_run_is_still_the_run_after_the_gateway_is_killed(bastion: Bastion) ->
         "survivor",
     )
     assert card["reason"] == "gateway_restarted"  # its approval ended with the lifetime
+    assert subject["sandboxed"] is sandboxed  # the kernel's word, after the restart too
     assert "survivor" in bastion.cli("pending").stdout
     # From inside the run, the operator's commands are refused (a child of the run).
     inside = agent.run([], argv=cli_argv(bastion.home.root, "decide", card["id"], "approve"))
-    assert inside.rc != 0 and "refused" in inside.stderr, inside.stderr
+    said = "no operator socket" if sandboxed else "refused"
+    assert inside.rc != 0 and said in inside.stderr, inside.stderr
     assert [c["id"] for c in bastion.op("pending")] == [card["id"]]  # still unanswered
     bastion.answer(card, False)
     assert agent.wait(rid).rc != 0
