@@ -618,3 +618,57 @@ def held_card(
     card = b.next_card()
     assert card["subject"]["pid"] == agent.pid, card
     return HeldCard(b, agent, rid, card, marker)
+
+
+# What a process may do to another: read its memory, trace it, signal it, see it in /proc;
+# with a path, also read the file through its /proc/PID/root, and every command line seen.
+TRACE_PROBE = """
+import ctypes, json, os, sys
+pid, addr = int(sys.argv[1]), int(sys.argv[2], 16)
+libc = ctypes.CDLL(None, use_errno=True)
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+buf = ctypes.create_string_buffer(64)
+local, remote = iovec(ctypes.addressof(buf), 64), iovec(addr, 64)
+n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+out = {"proc": os.path.exists(f"/proc/{pid}"), "vm_readv": n if n >= 0 else -ctypes.get_errno()}
+attach = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+out["ptrace"] = 0 if attach == 0 else -ctypes.get_errno()
+if attach == 0:
+    libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+try:
+    os.kill(pid, 0); out["kill0"] = 0
+except OSError as exc:
+    out["kill0"] = -exc.errno
+if len(sys.argv) > 3:
+    try:
+        out["root_tmp"] = open(f"/proc/{pid}/root{sys.argv[3]}").read()
+    except OSError as exc:
+        out["root_tmp"] = -exc.errno
+    out["cmdlines"] = [
+        open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+        for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline")
+    ]
+print(json.dumps(out))
+"""
+
+
+def readable_address(pid: int) -> str:
+    """The start of a readable mapping of `pid` (for TRACE_PROBE's process_vm_readv)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        if perms.startswith("r"):
+            return span.split("-")[0]
+    raise AssertionError(f"no readable mapping in {pid}")
+
+
+def master_pid(path: Path) -> int | None:
+    """The pid of the ControlMaster listening on `path`, or None."""
+    r = subprocess.run(
+        ["ssh", "-F", "/dev/null", "-o", f"ControlPath={path}", "-O", "check", "web1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    found = re.search(r"Master running \(pid=(\d+)\)", r.stderr)
+    return int(found.group(1)) if found else None

@@ -24,6 +24,7 @@ from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import emit, fail, home_of
 from bastion.home import Home
 from bastion.isolation import Isolation, IsolationError
+from bastion.threat_model import LIMIT
 
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
@@ -225,6 +226,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
             checks = isolation.permission_checks(home, iso, pid)
             how = f"judged from file modes (as root they are tried as {iso.user})"
     rows = isolation.guarantees(mode, iso.uid if iso else None, checks, sandbox.machine())
+    notes.append(f"limit: {LIMIT}")
     doc = {
         "mode": mode,
         "gateway_running": gateway is not None,

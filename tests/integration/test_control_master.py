@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from tests.harness import (
     Bastion,
     Result,
     approved_agent,
+    master_pid,
     python_copy,
     wait_for,
 )
@@ -57,18 +57,6 @@ def control_path() -> Iterator[Path]:
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-
-
-def master_pid(path: Path) -> int | None:
-    """The pid of the ControlMaster listening on `path`, or None."""
-    r = subprocess.run(
-        ["ssh", "-F", "/dev/null", "-o", f"ControlPath={path}", "-O", "check", "web1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    found = re.search(r"Master running \(pid=(\d+)\)", r.stderr)
-    return int(found.group(1)) if found else None
 
 
 def assert_refused(result: Result, second_session: bool = False) -> None:

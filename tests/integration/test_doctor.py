@@ -47,6 +47,8 @@ NAMES = {
     "ssh client",
     "gateway",
     "vault",
+    "sandbox",
+    "landlock",
     "isolation",
     "mode.home",
     "mode.vault",

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import Agent, Bastion, Result, wait_for
+from tests.harness import Agent, Bastion, Result, master_pid, wait_for
 
 # Control sockets live where every process sees them (a run's /tmp is its own), on a
 # short path: a unix socket path has at most 107 bytes.
@@ -67,17 +67,6 @@ def control_dir() -> Iterator[Path]:
                 timeout=30,
             )
         shutil.rmtree(d, ignore_errors=True)
-
-
-def master_pid(path: Path) -> int | None:
-    r = subprocess.run(
-        ["ssh", "-F", "/dev/null", "-o", f"ControlPath={path}", "-O", "check", "web1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    _, _, rest = r.stderr.partition("Master running (pid=")
-    return int(rest.split(")")[0]) if rest else None
 
 
 def assert_ran(result: Result, out: bytes) -> None:

@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from tests.harness import (
+    TRACE_PROBE,
     Bastion,
     HeldCard,
     Terminal,
@@ -38,6 +39,7 @@ from tests.harness import (
     held_card,
     inside,
     pending_ids,
+    readable_address,
     ssh_agent,
     wait_for,
 )
@@ -506,37 +508,6 @@ def test_abstract_sockets_outside_the_run_are_unreachable(
 
 # -- the operator's processes -------------------------------------------------------------
 
-VM_READ = """
-import ctypes, json, os, sys
-pid, addr = int(sys.argv[1]), int(sys.argv[2], 16)
-libc = ctypes.CDLL(None, use_errno=True)
-class iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-buf = ctypes.create_string_buffer(64)
-local, remote = iovec(ctypes.addressof(buf), 64), iovec(addr, 64)
-n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-vm = n if n >= 0 else -ctypes.get_errno()
-attach = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
-trace = 0 if attach == 0 else -ctypes.get_errno()
-if attach == 0:
-    libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
-try:
-    os.kill(pid, 0)
-    kill = 0
-except OSError as exc:
-    kill = -exc.errno
-print(json.dumps({"proc": os.path.exists(f"/proc/{pid}"), "vm_readv": vm, "ptrace": trace,
-                  "kill0": kill}))
-"""
-
-
-def _readable_address(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        span, perms = line.split()[:2]
-        if perms.startswith("r"):
-            return span.split("-")[0]
-    raise AssertionError(f"no readable mapping in {pid}")
-
 
 @pytest.fixture
 def operator_unlock(bastion: Bastion) -> Iterator[list[int]]:
@@ -562,14 +533,14 @@ def test_the_operators_processes_cannot_be_read_traced_or_signalled(
         prompt.expect("approve? [y/n/d]")  # the card of the run is on the operator's screen
         targets = [*operator_unlock, bastion.gateway_pid]
         for pid in targets:
-            addr = _readable_address(pid)
-            doc = json.loads(inside(held.agent, PY, "-c", VM_READ, str(pid), addr).stdout)
+            addr = readable_address(pid)
+            doc = json.loads(inside(held.agent, PY, "-c", TRACE_PROBE, str(pid), addr).stdout)
             assert doc["proc"] is False, (pid, doc)
             assert doc["vm_readv"] < 0 and doc["ptrace"] < 0 and doc["kill0"] < 0, (pid, doc)
         # Positive control: from outside (root, as the tests run) the unlock's memory is
         # read and it is traced; the gateway's and the unlock's pids are there.
         for pid in operator_unlock:
-            doc = json.loads(sh(PY, "-c", VM_READ, str(pid), _readable_address(pid)).stdout)
+            doc = json.loads(sh(PY, "-c", TRACE_PROBE, str(pid), readable_address(pid)).stdout)
             assert doc == {"proc": True, "vm_readv": 64, "ptrace": 0, "kill0": 0}, (pid, doc)
         if shutil.which("gdb"):
             pid = str(operator_unlock[-1])

@@ -22,46 +22,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import Bastion, cli_argv, inside, run_agent, wait_for
+from tests.harness import (
+    TRACE_PROBE,
+    Bastion,
+    cli_argv,
+    inside,
+    readable_address,
+    run_agent,
+    wait_for,
+)
 
 PY = sys.executable
-
-PROBE = """
-import ctypes, json, os, sys
-pid, addr, path = int(sys.argv[1]), int(sys.argv[2], 16), sys.argv[3]
-libc = ctypes.CDLL(None, use_errno=True)
-class iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-buf = ctypes.create_string_buffer(64)
-local, remote = iovec(ctypes.addressof(buf), 64), iovec(addr, 64)
-n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-out = {"vm_readv": n if n >= 0 else -ctypes.get_errno()}
-attach = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
-out["ptrace"] = 0 if attach == 0 else -ctypes.get_errno()
-if attach == 0:
-    libc.ptrace(17, pid, 0, 0)
-try:
-    os.kill(pid, 0); out["kill0"] = 0
-except OSError as exc:
-    out["kill0"] = -exc.errno
-try:
-    out["root_tmp"] = open(f"/proc/{pid}/root{path}").read()
-except OSError as exc:
-    out["root_tmp"] = -exc.errno
-out["cmdlines"] = [
-    open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
-    for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline")
-]
-print(json.dumps(out))
-"""
-
-
-def _readable_address(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        span, perms = line.split()[:2]
-        if perms.startswith("r"):
-            return span.split("-")[0]
-    raise AssertionError(f"no readable mapping in {pid}")
 
 
 def _only(argv: list[str]) -> int:
@@ -88,7 +59,7 @@ def test_two_runs_cannot_see_trace_signal_or_write_each_other(
     assert a_home == str(home)
 
     doc = json.loads(
-        inside(b, PY, "-c", PROBE, str(sleeper), _readable_address(sleeper), "/tmp/a").stdout
+        inside(b, PY, "-c", TRACE_PROBE, str(sleeper), readable_address(sleeper), "/tmp/a").stdout
     )
     assert not [c for c in doc.pop("cmdlines") if "3141.5" in c], "B sees A's processes"
     assert doc["vm_readv"] < 0 and doc["ptrace"] < 0 and doc["kill0"] < 0, doc
@@ -103,12 +74,18 @@ def test_two_runs_cannot_see_trace_signal_or_write_each_other(
     # signalled, and A's /tmp and HOME are reached through /proc/PID/root.
     doc = json.loads(
         subprocess.run(
-            [PY, "-c", PROBE, str(sleeper), _readable_address(sleeper), "/tmp/a"],
+            [PY, "-c", TRACE_PROBE, str(sleeper), readable_address(sleeper), "/tmp/a"],
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout
     )  # fmt: skip
     assert [c for c in doc.pop("cmdlines") if "3141.5" in c]
-    assert doc == {"vm_readv": 64, "ptrace": 0, "kill0": 0, "root_tmp": "a-secret\n"}, doc
+    assert doc == {
+        "proc": True,
+        "vm_readv": 64,
+        "ptrace": 0,
+        "kill0": 0,
+        "root_tmp": "a-secret\n",
+    }, doc
     Path(f"/proc/{sleeper}/root{a_home}/planted-from-outside").write_text("x")
     assert "planted-from-outside" in inside(a, "ls", "-A", a_home).stdout.decode()
 
