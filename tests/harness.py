@@ -672,3 +672,12 @@ def master_pid(path: Path) -> int | None:
     )
     found = re.search(r"Master running \(pid=(\d+)\)", r.stderr)
     return int(found.group(1)) if found else None
+
+
+def subcommands(group: Any) -> list[tuple[str, Any]]:
+    """A click group's commands by name, through click's API: `bastion`'s own group
+    imports its other modules' commands only when asked (`cli.main.Commands`)."""
+    import click
+
+    ctx = click.Context(group)
+    return [(name, group.get_command(ctx, name)) for name in group.list_commands(ctx)]

@@ -10,6 +10,7 @@ that the commands an operator types often start fast.
 from __future__ import annotations
 
 import base64
+import importlib
 import os
 import sys
 import time
@@ -20,10 +21,6 @@ import click
 
 from bastion import opsock
 from bastion.cli import completion as comp
-from bastion.cli.agents import hostkey, proxy, ssh_config
-from bastion.cli.audit import audit
-from bastion.cli.ca import ca
-from bastion.cli.check import check_command
 from bastion.cli.common import (
     HOST_KEY_ALIAS,
     emit,
@@ -34,19 +31,46 @@ from bastion.cli.common import (
     read_passphrase,
     save_to_keyring,
 )
-from bastion.cli.daemon import daemon
-from bastion.cli.doctor import doctor
-from bastion.cli.isolate import isolate
-from bastion.cli.keys import key
-from bastion.cli.mcp import mcp
-from bastion.cli.run import run
-from bastion.cli.service import service
 from bastion.core.display import describe_run, escape_text
-from bastion.core.events import foreign_warning
 from bastion.home import default_home
 
+# The commands that live in modules of their own, imported only when named: `bastion run`
+# (started before every agent) pays for its own imports, not for `audit`'s or `isolate`'s.
+ELSEWHERE = {
+    "key": "bastion.cli.keys:key",
+    "ca": "bastion.cli.ca:ca",
+    "audit": "bastion.cli.audit:audit",
+    "hostkey": "bastion.cli.agents:hostkey",
+    "ssh-config": "bastion.cli.agents:ssh_config",
+    "proxy": "bastion.cli.agents:proxy",
+    "run": "bastion.cli.run:run",
+    "check-command": "bastion.cli.check:check_command",
+    "isolate": "bastion.cli.isolate:isolate",
+    "daemon": "bastion.cli.daemon:daemon",
+    "mcp": "bastion.cli.mcp:mcp",
+    "doctor": "bastion.cli.doctor:doctor",
+    "service": "bastion.cli.service:service",
+    "completion": "bastion.cli.completion:completion",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class Commands(click.Group):
+    """The `bastion` group: its own commands, and `ELSEWHERE`'s, each imported when
+    asked for (click's documented way: `list_commands` and `get_command`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *ELSEWHERE})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        where = ELSEWHERE.get(cmd_name)
+        if where is None:
+            return super().get_command(ctx, cmd_name)
+        module, name = where.split(":")
+        command: click.Command = getattr(importlib.import_module(module), name)
+        return command
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--home",
     type=click.Path(path_type=Path),
@@ -61,9 +85,6 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-COMMANDS = (key, ca, audit, hostkey, ssh_config, proxy, run, check_command, isolate)
-for command in (*COMMANDS, daemon, mcp, doctor, service, comp.completion):
-    main.add_command(command)
 
 
 # -- setup -------------------------------------------------------------------------------
@@ -190,6 +211,7 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Gateway state: vault, policy, isolation and what it guarantees, the listeners."""
+    from bastion.core.events import foreign_warning
     from bastion.threat_model import threat_lines
 
     s = op(ctx, "status")

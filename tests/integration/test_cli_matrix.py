@@ -40,7 +40,7 @@ import pytest
 
 from bastion.cli.main import main as cli_main
 from bastion.vault import Vault
-from tests.harness import PASSPHRASE, USER, Agent, Bastion, make_bastion, wait_for
+from tests.harness import PASSPHRASE, USER, Agent, Bastion, make_bastion, subcommands, wait_for
 
 OFFLINE, ONLINE = "offline", "online"
 PASS = PASSPHRASE + "\n"
@@ -1078,7 +1078,7 @@ ROWS: list[Row] = [
 
 def leaf_paths(command: click.Command, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
     if isinstance(command, click.Group):
-        for name, sub in command.commands.items():
+        for name, sub in subcommands(command):
             yield from leaf_paths(sub, (*prefix, name))
     else:
         yield prefix

@@ -29,6 +29,7 @@ from tests.harness import (
     Bastion,
     cli_argv,
     make_bastion,
+    subcommands,
     wait_for,
 )
 
@@ -162,7 +163,7 @@ def passphrase_commands(
 ) -> Iterator[tuple[str, ...]]:
     """Every leaf command of the CLI that takes --passphrase-stdin."""
     if isinstance(command, click.Group):
-        for name, sub in sorted(command.commands.items()):
+        for name, sub in subcommands(command):
             yield from passphrase_commands(sub, (*path, name))
     elif any(p.name == "passphrase_stdin" for p in command.params):
         yield path

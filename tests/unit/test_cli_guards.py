@@ -16,6 +16,7 @@ import click
 
 from bastion.cli import common
 from bastion.cli.main import main as cli_main
+from tests.harness import subcommands
 
 CLI = Path(common.__file__).parent
 # Every way Python reads a secret from the operator: a prompt, the keyring, stdin.
@@ -26,7 +27,7 @@ SECRET_READ = re.compile(
 
 def leaves(command: click.Command) -> Iterator[click.Command]:
     if isinstance(command, click.Group):
-        for sub in command.commands.values():
+        for _, sub in subcommands(command):
             yield from leaves(sub)
     else:
         yield command
