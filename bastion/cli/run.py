@@ -38,6 +38,7 @@ PR_SET_CHILD_SUBREAPER = 36
 TERM_GRACE = 2.0  # seconds the rest of the tree has between SIGTERM and SIGKILL
 KILL_PATIENCE = 10.0  # then give up on what will not die (uninterruptible sleep) and say so
 ISOLATED_HOME = Path("/tmp/home")  # an isolated agent's HOME: in the run's own /tmp
+GIVEN_WORDS, GIVEN_WORD = 16, 200  # what a registration may say it was given (the header's 4 KiB)
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -362,8 +363,15 @@ def run(
             fail("--isolated runs always get a sandbox; leave out --no-sandbox")
         iso = _isolation(home)
     socket_path = iso.agent_socket if iso else (agent_socket or home.agent_socket).absolute()
+    words = given.words()
+    if any(len(w) > GIVEN_WORD for w in words) or len(words) > GIVEN_WORDS:
+        fail(
+            f"the run's card shows what it was given: at most {GIVEN_WORDS} --hide/--ro "
+            f"paths of at most {GIVEN_WORD - 6} characters each; give a shorter path "
+            "(a parent directory)"
+        )
     box = None if no_sandbox else _prepare(home, socket_path, given, iso)
-    run_id = _register(socket_path, label, None if box is None else given.words())
+    run_id = _register(socket_path, label, None if box is None else words)
     what = "unsandboxed" if box is None else "in its sandbox"
     who = f" as {iso.user} (uid {iso.uid})" if iso else ""
     click.echo(

@@ -164,3 +164,17 @@ def test_the_kernel_here_scopes_abstract_sockets_and_signals() -> None:
     if abi < sandbox.LANDLOCK_SCOPES_ABI:
         pytest.skip(f"Landlock ABI {abi}: no scopes on this kernel")
     assert abi >= 6
+
+
+def test_a_run_given_more_than_its_card_can_show_is_refused_before_anything(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
+
+    from bastion.cli.main import main
+
+    deep = tmp_path / ("d" * 200)
+    deep.mkdir()
+    argv = ["--home", str(tmp_path / "home"), "run", "--ro", str(deep), "--", "true"]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 1 and "at most 194 characters" in r.output
