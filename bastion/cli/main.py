@@ -85,8 +85,6 @@ def main(ctx: click.Context, home: Path | None) -> None:
     ctx.obj = {"home": (home.expanduser().absolute() if home else default_home())}
 
 
-
-
 # -- setup -------------------------------------------------------------------------------
 
 
