@@ -13,13 +13,18 @@ observes that, and decides nothing:
 - each unix stream socket the master holds, but the connection and its
   listening control socket, is a mux client's (or a descriptor a client passed
   it); the kernel names each one's peer (NETLINK_SOCK_DIAG, unix_diag with
-  UDIAG_SHOW_PEER: unprivileged, in the gateway's network namespace);
+  UDIAG_SHOW_PEER, one inode at a time: unprivileged, in the gateway's network
+  namespace);
 - every such peer must be held by a process of the run's tree (the registered
   pid and its descendants, read from /proc: a sandbox's bwrap and its pid 1,
   the run's subreaper, keep orphans in it).
 
 Anything unreadable, a peer held nowhere in the run (a client outside it, or
 one that already left), a master that is not an ssh client: not in the run.
+What one observation reads is bounded (`_MAX_TREE` processes, `_MAX_FDS`
+sockets, the master's own sockets looked up one by one), so a run cannot make
+the check that runs on the gateway's event loop slow for everyone; past a
+bound, the run's master is "not seen" and refused.
 /proc/PID/fd of a process of another uid needs a root gateway: an --isolated
 run's master, seen by a gateway that is not root, is unseen (None).
 """
@@ -27,6 +32,7 @@ run's master, seen by a gateway that is not root, is unseen (None).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -38,8 +44,8 @@ from bastion.identity import children
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST = 0x1
+NLMSG_ERROR = 2
 UDIAG_SHOW_PEER = 0x4
 UNIX_DIAG_PEER = 2
 TCP_LISTEN = 10
@@ -48,7 +54,8 @@ _REQ = struct.Struct("=BBHIIIII")  # unix_diag_req
 _MSG = struct.Struct("=BBBBIII")  # unix_diag_msg
 _ATTR = struct.Struct("=HH")
 _STREAMS = {socket.SOCK_STREAM, socket.SOCK_SEQPACKET}
-_MAX_TREE = 4096  # processes of one run walked at most; beyond, not seen
+_MAX_TREE = 512  # processes of one run walked at most; beyond, not seen
+_MAX_FDS = 32768  # descriptors of those read at most; beyond, not seen (the walk is bounded)
 
 
 @dataclass(frozen=True)
@@ -69,33 +76,45 @@ class MuxView:
     seen: str  # in words, for the agent and the log
 
 
-def unix_sockets() -> dict[int, UnixSocket]:
-    """Every AF_UNIX socket of this network namespace, by inode (a sock_diag dump)."""
-    req = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
-    head = _NLMSG.pack(
-        _NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0
-    )
-    found: dict[int, UnixSocket] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
-        nl.sendall(head + req)
-        while True:
-            data = nl.recv(1 << 16)
-            if not data:
-                raise OSError("sock_diag: the kernel ended the dump early")
-            off = 0
-            while off + _NLMSG.size <= len(data):
-                length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
-                if length < _NLMSG.size:
-                    raise OSError("sock_diag: a malformed message")
-                if kind == NLMSG_DONE:
-                    return found
-                if kind == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", data, off + _NLMSG.size)
-                    raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
-                if kind == SOCK_DIAG_BY_FAMILY:
-                    entry = _parse(data[off + _NLMSG.size : off + length])
-                    found[entry.inode] = entry
-                off += (length + 3) & ~3
+class Sockets:
+    """AF_UNIX sockets as the kernel describes them, asked one inode at a time
+    (sock_diag's exact lookup, unprivileged) and kept for one observation: the cost is
+    the master's few sockets, never every socket on the machine (a run could make
+    a hundred thousand)."""
+
+    def __init__(self) -> None:
+        self._nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+        self._seen: dict[int, UnixSocket | None] = {}
+
+    def __enter__(self) -> Sockets:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._nl.close()
+
+    def get(self, inode: int) -> UnixSocket | None:
+        """The socket with this inode, or None when there is none (it was closed)."""
+        if inode not in self._seen:
+            self._seen[inode] = self._ask(inode)
+        return self._seen[inode]
+
+    def _ask(self, inode: int) -> UnixSocket | None:
+        cookie = 0xFFFFFFFF  # INET_DIAG_NOCOOKIE: any socket with this inode
+        req = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, inode, UDIAG_SHOW_PEER, cookie, cookie)
+        head = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
+        self._nl.sendall(head + req)
+        data = self._nl.recv(1 << 16)
+        if len(data) < _NLMSG.size:
+            raise OSError("sock_diag: a short answer")
+        length, kind, _, _, _ = _NLMSG.unpack_from(data, 0)
+        if kind == NLMSG_ERROR:
+            (err,) = struct.unpack_from("=i", data, _NLMSG.size)
+            if -err == errno.ENOENT:
+                return None
+            raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
+        if kind != SOCK_DIAG_BY_FAMILY or length > len(data):
+            raise OSError("sock_diag: an unexpected answer")
+        return _parse(data[_NLMSG.size : length])
 
 
 def _parse(body: bytes) -> UnixSocket:
@@ -153,15 +172,22 @@ def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
     connection; `proxy_pid`: the process that connected (`bastion proxy`, which may
     still hold the socket it handed to ssh for a moment)."""
     try:
-        table = unix_sockets()
+        with Sockets() as table:
+            return _mux_clients(table, run_pid, own_socket, proxy_pid)
     except OSError as exc:
-        return MuxView(None, f"the kernel's table of unix sockets could not be read: {exc}")
+        return MuxView(None, f"the kernel's unix sockets could not be read: {exc}")
+
+
+def _mux_clients(table: Sockets, run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
     ours = table.get(own_socket)
     if ours is None or ours.peer == 0:
         return MuxView(False, "the ssh client's end of this connection is gone")
     holders: dict[int, set[int]] = {}
     unreadable: list[int] = []
     tree = run_tree(run_pid)
+    if len(tree) >= _MAX_TREE:
+        return MuxView(None, f"the run has more than {_MAX_TREE} processes")
+    read = 0
     for pid in tree:
         try:
             inodes = socket_inodes(pid)
@@ -170,10 +196,11 @@ def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
         except OSError:
             unreadable.append(pid)
             continue
+        read += len(inodes)
+        if read > _MAX_FDS:
+            return MuxView(None, f"the run's processes hold more than {_MAX_FDS} sockets")
         for inode in inodes:
             holders.setdefault(inode, set()).add(pid)
-    if len(tree) >= _MAX_TREE:
-        return MuxView(None, f"the run has more than {_MAX_TREE} processes")
     masters = holders.get(ours.peer, set()) - {proxy_pid}
     why_unseen = _unreadable(unreadable)
     if not masters:
@@ -199,22 +226,16 @@ def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
 
 
 def _clients(
-    master: int, connection: int, table: dict[int, UnixSocket], holders: dict[int, set[int]]
+    master: int, connection: int, table: Sockets, holders: dict[int, set[int]]
 ) -> list[UnixSocket]:
     """The master's connected unix stream sockets but the connection itself."""
-    mine = [inode for inode, pids in holders.items() if master in pids]
-    return [
-        table[i]
-        for i in mine
-        if i != connection
-        and i in table
-        and table[i].kind in _STREAMS
-        and table[i].state != TCP_LISTEN
-    ]
+    mine = sorted(i for i, pids in holders.items() if master in pids and i != connection)
+    found = [table.get(i) for i in mine]
+    return [u for u in found if u is not None and u.kind in _STREAMS and u.state != TCP_LISTEN]
 
 
 def _outsider(
-    master: int, connection: int, table: dict[int, UnixSocket], holders: dict[int, set[int]]
+    master: int, connection: int, table: Sockets, holders: dict[int, set[int]]
 ) -> str | None:
     """What connects to `master` from outside the run, or None."""
     for client in _clients(master, connection, table, holders):
