@@ -183,14 +183,20 @@ def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) ->
 
 
 def installation() -> tuple[Path, ...]:
-    """bastion as the operator runs it: its package, the Python environment it runs in
-    and its `bastion` command. A run that could rewrite them would rewrite the next
-    `bastion approve`."""
+    """bastion as the operator runs it: its package (for a checkout installed in
+    place, the checkout), the Python environment it runs in and its `bastion`
+    command. A run that could rewrite them would rewrite the next `bastion approve`;
+    bound read-only after `/tmp` is hidden, they stay there for a run wherever they
+    live (a checkout under /tmp included)."""
     import sys
 
     import bastion
 
-    found = [Path(bastion.__file__).resolve().parent, Path(sys.prefix).resolve()]
+    package = Path(bastion.__file__).resolve().parent
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / ".git").exists():
+        package = checkout
+    found = [package, Path(sys.prefix).resolve()]
     command = shutil.which("bastion")
     if command:
         found.append(Path(command).resolve())
