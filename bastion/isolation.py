@@ -494,7 +494,7 @@ def status_guarantees(home: Home, mode: str, gateway_pid: int | None = None) -> 
         iso, checks = None, {}
     if mode != "strong" and gateway_pid is not None:
         checks = {"gateway_memory": memory_sealed(gateway_pid)}
-    rows = guarantees(mode, iso.uid if iso else None, checks, sandbox.machine())
+    rows = guarantees(mode, iso.uid if iso else None, checks, sandbox.machine(cached=True))
     return [[text, held] for text, held in rows]
 
 

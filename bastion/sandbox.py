@@ -41,6 +41,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,6 @@ DROPPED_ENV = frozenset(
         "DISPLAY",
         "WAYLAND_DISPLAY",
         "XAUTHORITY",
-        "BASTION_HOME",
         "GNOME_KEYRING_CONTROL",
     }
 )
@@ -298,6 +298,21 @@ def plan(
     return [*argv, "--"]
 
 
+def check_door(layout: Layout) -> None:
+    """The agent socket's directory is bound into the run as it is, so it must hold
+    nothing else of bastion: not the home itself (nor a directory above it), and,
+    inside the home, only `run/` (the operator socket lives in `operator/`)."""
+    home, door = layout.bastion_home, layout.agent_dir
+    if home.is_relative_to(door) or (door.is_relative_to(home) and door != home / "run"):
+        raise Unavailable(
+            f"the agent socket's directory {door} would give the run the bastion home "
+            f"{home} (its vault, journal and operator socket)",
+            f"keep the agent socket alone in a directory of its own: the default "
+            f"{home / 'run' / 'agent.sock'}, or `bastion daemon --agent-socket` in a "
+            "directory outside the home",
+        )
+
+
 def environment(env: Mapping[str, str]) -> dict[str, str]:
     """The run's environment: the caller's, less what names a hidden deputy."""
     return {k: v for k, v in env.items() if k not in DROPPED_ENV}
@@ -456,6 +471,7 @@ def prepare(
     """Check that the sandbox can be made, and plan it (raises Unavailable, ValueError).
     `bwrap_path`: the PATH to find bwrap on (default: this process's)."""
     check_given(given)
+    check_door(layout)
     bwrap = find_bwrap(bwrap_path)
     preflight(bwrap, user)
     root = (user[0] if user else os.geteuid()) == 0
@@ -471,8 +487,25 @@ class Machine:
     landlock: int  # the kernel's Landlock ABI (scopes from 6)
 
 
-def machine(bwrap_path: str | None = None) -> Machine:
-    """Try it (one empty sandbox, about 3 ms); never raises."""
+MACHINE_TTL = 60.0  # seconds `machine(cached=True)` keeps its answer
+_machine: tuple[float, Machine] | None = None
+
+
+def machine(bwrap_path: str | None = None, *, cached: bool = False) -> Machine:
+    """Try it (one empty sandbox, about 3 ms); never raises. `cached`: an answer up to
+    MACHINE_TTL old will do (the gateway's `status`, which every `bastion approve`
+    asks every few seconds, so the gateway does not start a bwrap each time)."""
+    global _machine
+    now = time.monotonic()
+    if cached and bwrap_path is None and _machine is not None and now - _machine[0] < MACHINE_TTL:
+        return _machine[1]
+    found = _try(bwrap_path)
+    if bwrap_path is None:
+        _machine = (now, found)
+    return found
+
+
+def _try(bwrap_path: str | None) -> Machine:
     try:
         preflight(find_bwrap(bwrap_path))
         told = None

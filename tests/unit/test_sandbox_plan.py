@@ -179,3 +179,36 @@ def test_a_run_given_more_than_its_card_can_show_is_refused_before_anything(
     argv = ["--home", str(tmp_path / "home"), "run", "--ro", str(deep), "--", "true"]
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 1 and "at most 194 characters" in r.output
+
+
+def test_the_door_must_not_bind_the_home_into_the_run(layout: Layout, tmp_path: Path) -> None:
+    """The agent socket's directory comes back into the run whole: the home itself, a
+    directory above it, or `operator/` would hand the run the vault and the operator
+    socket, so `bastion run` refuses before anything starts."""
+    import dataclasses
+
+    sandbox.check_door(layout)  # the default: run/, alone
+    sandbox.check_door(dataclasses.replace(layout, agent_dir=tmp_path / "elsewhere"))
+    for door in (layout.bastion_home, layout.bastion_home / "operator", layout.bastion_home.parent):
+        with pytest.raises(sandbox.Unavailable) as err:
+            sandbox.check_door(dataclasses.replace(layout, agent_dir=door))
+        assert "directory of its own" in err.value.fix
+
+
+def test_the_environment_keeps_where_the_home_is() -> None:
+    """BASTION_HOME names a path the run cannot see; `bastion mcp` inside a run needs it
+    to find its agent socket."""
+    assert sandbox.environment({"BASTION_HOME": "/h/b"}) == {"BASTION_HOME": "/h/b"}
+
+
+def test_status_tries_the_sandbox_at_most_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[None] = []
+    monkeypatch.setattr(sandbox, "_machine", None)
+    monkeypatch.setattr(
+        sandbox, "_try", lambda path: tried.append(None) or sandbox.Machine(None, 7)
+    )
+    for _ in range(5):
+        assert sandbox.machine(cached=True).landlock == 7
+    assert len(tried) == 1
+    sandbox.machine()  # doctor and isolate check ask afresh
+    assert len(tried) == 2
