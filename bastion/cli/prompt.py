@@ -93,6 +93,25 @@ def _command_lines(card: dict[str, Any], style: Style) -> list[str]:
     return lines
 
 
+def stdin_lines(stdin: dict[str, Any], style: Style) -> list[str]:
+    """What the command reads on stdin, read whole before the card: a yes approves these
+    bytes too, and the target gets exactly them, then EOF."""
+    size, digest = int(stdin["size"]), _shown(stdin["sha256"])
+    if size == 0:
+        if stdin.get("end") == "silent":
+            return [
+                style.warn("  stdin:    none yet: still open, nothing sent; the command gets none")
+            ]
+        return ["  stdin:    none (closed empty)"]
+    lines = [style.warn(f"  stdin:    {size} bytes, sha256 {digest} -- the command reads these:")]
+    if "preview" in stdin:
+        more = size - int(stdin.get("preview_bytes", size))
+        lines.append("            " + style.bold(_shown(stdin["preview"])))
+        if more > 0:
+            lines.append(style.dim(f"            ... and {more} more bytes (not shown)"))
+    return lines
+
+
 def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAIN) -> str:
     """A card as a person reads it: who asks, for what, and what changed."""
     s = card["subject"]
@@ -127,6 +146,8 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         lines.append(f"  conversation (the agent's claim, not checked): {style.dim(claim)}")
     if card.get("command") is not None:
         lines += _command_lines(card, style)
+    if card.get("stdin") is not None:
+        lines += stdin_lines(card["stdin"], style)
     if details:
         lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
         if s.get("exec_watch"):

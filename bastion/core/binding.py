@@ -10,7 +10,9 @@ the check could forget.
 
 A request is (channel, target, what). `what` is the sha256 of what the request
 does on the target: the exact command bytes of an exec today; the digest of a
-file operation is the same one field.
+file operation is the same one field. An exec whose stdin was read before its
+card (`core/gate.Stdin`) is bound to that too: `stdin`, the sha256 of the bytes the
+target gets, so a yes for one script piped into `sh` runs no other.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ class Binding:
     user: str
     credential: str
     what: str | None  # sha256 of what the request does (its command); None on a session card
+    stdin: str | None = None  # sha256 of the stdin read before the card; None: not read
 
     @classmethod
-    def of(cls, host: Host, account: Account, what: str | None) -> Binding:
+    def of(
+        cls, host: Host, account: Account, what: str | None, *, stdin: str | None = None
+    ) -> Binding:
         """The binding of a request for `what` on this policy entry, as the policy
         says it now: built here only, so card, grant and check agree by construction."""
         return cls(
@@ -42,4 +47,5 @@ class Binding:
             user=account.user,
             credential=account.credential,
             what=what,
+            stdin=stdin,
         )

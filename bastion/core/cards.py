@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from bastion.core.binding import Binding
 from bastion.core.command import Construct
-from bastion.core.display import escape_command_marked
+from bastion.core.display import escape_command, escape_command_marked
 from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Request
+from bastion.core.stdin import Stdin, digest_of
 from bastion.core.subject import Peer, ProcessInfo, Subject
 
 
@@ -43,8 +44,11 @@ class Card:
     created_at: float
     expires_at: float
     session_id: str | None = None  # command cards: the session they extend
+    stdin: Stdin | None = None  # command cards: the stdin read before it (None: not read)
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self, preview: bool = True) -> dict[str, object]:
+        """The card for an operator's screen; `preview=False` for the journal, which
+        records stdin's size and digest, never its content."""
         b = self.binding
         return {
             "id": self.id,
@@ -68,7 +72,20 @@ class Card:
             "vault_epoch": self.vault_epoch,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
+            "stdin": stdin_json(self.stdin, preview),
         }
+
+
+def stdin_json(stdin: Stdin | None, preview: bool) -> dict[str, object] | None:
+    """A card's stdin: how its read ended, its size and sha256, and (for a screen) its
+    first bytes escaped like a command."""
+    if stdin is None:
+        return None
+    shown: dict[str, object] = {"end": stdin.end.value, "size": stdin.size, "sha256": stdin.sha256}
+    if preview:
+        shown["preview"] = escape_command(stdin.preview)
+        shown["preview_bytes"] = len(stdin.preview)
+    return shown
 
 
 def make_card(
@@ -95,7 +112,11 @@ def make_card(
         request_id=req.request_id,
         reason=verdict.reason if isinstance(verdict, AskSession) else None,
         host=host.alias,
-        binding=Binding.of(host, account, req.command_sha256 if is_command else None),
+        binding=(
+            Binding.of(host, account, req.command_sha256, stdin=digest_of(req.stdin))
+            if is_command
+            else Binding.of(host, account, None)
+        ),
         command=shown if is_command else None,
         argv=reading.argv if reading is not None else None,
         shell_syntax=constructs,
@@ -113,4 +134,5 @@ def make_card(
         created_at=now,
         expires_at=now + timeout,
         session_id=verdict.session.id if isinstance(verdict, AskCommand) else None,
+        stdin=req.stdin if is_command else None,
     )

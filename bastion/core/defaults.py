@@ -21,3 +21,9 @@ MAX_RUNS_PER_UID = 256  # live registered runs (a pidfd watch each); runs do not
 REQUESTS_REMEMBERED = 65536  # requests whose state the agent socket's `request` answers
 MAX_INFLIGHT = 128  # commands dispatched at once; past it they queue (bastion.toml [limits])
 QUEUE_WAIT = 30.0  # seconds a command may queue for a slot before GATEWAY_BUSY
+# stdin on a command card (core/gate.Stdin): read whole before the card, so a yes is
+# bound to the exact bytes the target gets. More is file transfer (scp/sftp).
+MAX_CARD_STDIN = 1024 * 1024  # bytes of stdin a command card may carry
+STDIN_WAIT = 3.0  # seconds of silence before an open stdin counts as sending nothing more
+STDIN_DEADLINE = 30.0  # seconds the whole read may take: a trickle is not waited for
+STDIN_PREVIEW = 512  # bytes of stdin a card shows, escaped like a command

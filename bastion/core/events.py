@@ -80,6 +80,8 @@ class EventType(enum.Enum):
     SESSION_ENDED = "session_ended"
     # one request's life: received, then denied, or dispatched and one outcome
     REQUEST_RECEIVED = "request_received"
+    # the stdin read whole before a command card: its end, size and sha256 (no content)
+    STDIN_READ = "stdin_read"
     DENIED = "denied"
     DISPATCH_STARTED = "dispatch_started"
     # a certificate account's login for this one request was signed (serial, key id, CA)
@@ -249,6 +251,9 @@ class RequestStory:
             return replace(self, dispatched=True)
         if kind is EventType.CERTIFICATE_ISSUED:
             return self._with(("certificate", certificate_of(entry)))
+        if kind is EventType.STDIN_READ:
+            read = {k: meta.get(k) for k in ("end", "size", "sha256")}
+            return self._with(("stdin", read))
         if kind is EventType.DENIED:
             code = meta.get("code")
             # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.

@@ -22,7 +22,8 @@ journal and the witness (`World`). The checks run in the contract's order
    the proxy's, a connection other processes could share, a command that
    cannot be run exactly as decided. A shared connection (a later channel, a
    ControlMaster) passes only when its subject is a registered run and every
-   process connected to the master was seen to be a process of that run;
+   process connected to the master was seen to be a process of that run; a
+   stdin read before a command card that was not seen whole (`core/stdin`);
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
 5. the policy: unavailable, host, account, command, a certificate nobody can
@@ -58,6 +59,7 @@ from bastion.core.policy import (
     preapproval,
 )
 from bastion.core.sharing import IN_A_RUN, MUX_OUTSIDER, MUX_UNSEEN
+from bastion.core.stdin import Stdin, digest_of, stdin_problem
 from bastion.core.subject import SubjectKey
 
 
@@ -129,6 +131,9 @@ class Request:
     action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
     channel: Channel = Channel.EXEC
     ssh_user: str | None = None  # the login the ssh client sent, where one was sent
+    # Its stdin, read whole before a command card (`reads_stdin`); None: not read, and
+    # it streams to the target as it comes (session accounts, commands with no card).
+    stdin: Stdin | None = None
 
     @property
     def command_sha256(self) -> str:
@@ -269,8 +274,19 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.binding == Binding.of(host, account, req.command_sha256)
+        and grant.binding
+        == Binding.of(host, account, req.command_sha256, stdin=digest_of(req.stdin))
     )
+
+
+def reads_stdin(req: Request, verdict: Verdict) -> bool:
+    """Whether the gateway must read the agent's stdin whole before it raises this
+    verdict's card: a command card is asked and stdin was not read yet. A yes is bound
+    to the exact bytes (`Binding.stdin`), and what a person approved is all the target
+    gets. Session cards approve a process, not bytes, and a command that needs no card
+    (a session account, a preapproved command) was decided without them: there stdin
+    streams as it comes."""
+    return isinstance(verdict, AskCommand) and req.stdin is None
 
 
 @dataclass(frozen=True)
@@ -348,7 +364,7 @@ def unsupported(req: Request, world: World) -> str | None:
         refused = not_shareable(world, CONTROL_MASTER)
         if refused is not None:
             return refused
-    problem = validate_command(req.command)
+    problem = validate_command(req.command) or stdin_problem(req.stdin)
     if problem is not None:
         return malformed(problem).message
     return None

@@ -46,7 +46,7 @@ def build_service(
 
     `options` are `Service`'s own keyword parts (its signature says what each is:
     watch, refresh, rides_a_master, refusing, admission, schedule, clock,
-    approval_timeout, on_sessions_changed, certifier, witnessed); `vouch` and
+    approval_timeout, on_sessions_changed, certifier, witnessed, take_stdin); `vouch` and
     `unlocked` are the authority's: have the journal vouch for what was written
     (at unlock and before a lock), and what the lifetime does once the vault is
     unlocked."""

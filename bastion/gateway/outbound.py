@@ -29,6 +29,7 @@ from bastion.core.events import Outcome, Result
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.gateway.pool import Pool
+from bastion.gateway.stdin import Fed
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
@@ -88,9 +89,11 @@ class _Tracked(asyncssh.SSHClient):
 
 @dataclass(frozen=True)
 class Streams:
-    """The agent side of one exec: where bytes come from and go to."""
+    """The agent side of one exec: where bytes come from and go to. `stdin` is the
+    agent's stream, or the bytes a command card showed and a yes is bound to
+    (`stdin.Fed`: read whole before the card, then EOF)."""
 
-    stdin: asyncssh.SSHReader[bytes]
+    stdin: asyncssh.SSHReader[bytes] | Fed
     stdout: asyncssh.SSHWriter[bytes]
     stderr: asyncssh.SSHWriter[bytes]
 

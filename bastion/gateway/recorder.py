@@ -184,6 +184,18 @@ class Recorder:
         for listener in self.on_received:
             listener(req.action, req.request_id)
 
+    def stdin(self, req: Request) -> None:
+        """The stdin read before the request's command card: how the read ended, its
+        size and digest -- never its content (the card shows a preview; the journal
+        does not keep it)."""
+        assert req.stdin is not None
+        s = req.stdin
+        meta = {"request_id": req.request_id, "end": s.end.value, "size": s.size}
+        self.record(EventType.STDIN_READ, {**meta, "sha256": s.sha256})
+        log.info(
+            "%s: stdin %s, %d bytes, sha256 %s", req.request_id, s.end.value, s.size, s.sha256[:16]
+        )
+
     def denied(self, subject: Subject, req: Request, failure: Failure) -> None:
         log.info("%s: denied %s", req.request_id, failure.code.value)
         self.record(
@@ -214,7 +226,7 @@ class Recorder:
     def card(self, card: Card, answer: CardEnding | None) -> None:
         meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
         if answer is None:
-            self.record(EventType.CARD_RAISED, meta, {"card": card.as_json()})
+            self.record(EventType.CARD_RAISED, meta, {"card": card.as_json(preview=False)})
             self.publish({"event": "card", "card": card.as_json()})
         else:
             self.record(EventType.CARD_CLOSED, {**meta, "answer": answer.value})

@@ -55,6 +55,7 @@ from bastion.core.gate import (
     final_check,
     intake,
     no_slot,
+    reads_stdin,
     rounds_exhausted,
     unanswered,
 )
@@ -68,6 +69,7 @@ from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.intent import Intent
 from bastion.gateway.mux import MuxView
 from bastion.gateway.recorder import PolicyWatch, Recorder
+from bastion.gateway.stdin import Taken, take
 from bastion.gateway.tenants import Tenant
 from bastion.journal import JournalError
 
@@ -134,10 +136,14 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Decided:
-    """The gate said dispatch; `command_card` is the card whose grant it used."""
+    """The gate said dispatch; `command_card` is the card whose grant it used. The
+    request and streams are those it was decided for: with the stdin read before a
+    command card (`request.stdin`), the streams feed exactly those bytes."""
 
     dispatch: Dispatch
     command_card: str | None
+    request: Request
+    streams: Any
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,7 @@ class Service:
         on_sessions_changed: Callable[[], None] = lambda: None,
         certifier: Certifier | None = None,
         witnessed: Callable[[int], Awaitable[str | None]] | None = None,
+        take_stdin: Callable[[Any], Awaitable[Taken]] = take,
     ) -> None:
         self.boot_id = boot_id
         self.vault = vault
@@ -222,6 +229,9 @@ class Service:
         self.on_sessions_changed = on_sessions_changed
         self.certifier = certifier  # signs certificate accounts' logins; None: none can be
         self.witnessed = witnessed  # a witness holds the intent's head (`Witness.intent`)
+        # Reads an agent's stdin whole before a command card (`stdin.take`), given the
+        # request's streams.
+        self.take_stdin = take_stdin
         self.actions = ActionKeys()
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
@@ -302,9 +312,10 @@ class Service:
         arrival = self.arrive(conn, req, conversation, opened)
         if ack_unknown and req.action is not None:
             self.acknowledge(conn, req, conversation, arrival)
-        decided = await self.authorize(conn, req, conversation, arrival)
+        decided = await self.authorize(conn, req, conversation, arrival, streams)
         if isinstance(decided, Failure):
             return self._denied(conn, req, decided)
+        req, streams = decided.request, decided.streams
         try:
             async with self.admission.slot(conn.peer.subject.process_key):
                 return await self.dispatch(conn, req, conversation, decided, streams, arrival)
@@ -368,16 +379,22 @@ class Service:
         req: Request,
         conversation: str | None,
         arrival: Arrival | None = None,
+        streams: Any = None,
     ) -> Decided | Failure:
         command_card: str | None = None
         reason: EndReason | None = None
-        for _ in range(MAX_ROUNDS):
+        for _ in range(MAX_ROUNDS + 1):  # + the one round that reads stdin
             world = self.world(req, conn.peer.subject, conversation, command_card, arrival)
             verdict = evaluate(req, world)
             if isinstance(verdict, Dispatch):
-                return Decided(verdict, command_card)
+                return Decided(verdict, command_card, req, streams)
             if isinstance(verdict, Refusal):
                 return verdict.failure(req.request_id, reason)
+            if reads_stdin(req, verdict):  # a command card: its stdin first, then ask again
+                taken = await self.take_stdin(streams)
+                req, streams = replace(req, stdin=taken.stdin), taken.streams
+                self.recorder.stdin(req)
+                continue
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
                 if (stale := world.session) is not None:  # recorded but stale: end it, say why

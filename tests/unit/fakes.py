@@ -24,7 +24,9 @@ from bastion.core.subject import Peer, ProcessInfo, Subject
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.assembly import build_service
 from bastion.gateway.recorder import Recorder
+from bastion.core.stdin import Stdin, StdinEnd
 from bastion.gateway.service import AgentConn, PolicyWatch
+from bastion.gateway.stdin import Taken
 from bastion.journal import JournalError
 from bastion.vault import VaultLocked, WrongPassphrase
 
@@ -322,6 +324,11 @@ class Agent:
 _boots = itertools.count(1)
 
 
+async def no_stdin(streams: Any) -> Taken:
+    """A fake agent sends no stdin before its command card (EOF at once)."""
+    return Taken(Stdin.of(b"", StdinEnd.CLOSED), streams)
+
+
 class FakeGateway:
     """What `gateway/lifetime.py` wires, with fakes for what touches the system."""
 
@@ -334,6 +341,7 @@ class FakeGateway:
         outbound: FakeOutbound | None = None,
         clock: Callable[[], float] = lambda: 1000.0,
         command_ttl: float = 60.0,
+        take_stdin: Callable[[Any], Any] | None = None,
     ) -> None:
         self.boot_id = f"boot_{next(_boots)}"
         self.journal = journal.writer(self.boot_id)
@@ -353,6 +361,7 @@ class FakeGateway:
             schedule=self.timers,
             clock=clock,
             approval_timeout=120.0,
+            take_stdin=take_stdin or no_stdin,
         )
         self.service = assembly.service
         self.authority = assembly.authority
