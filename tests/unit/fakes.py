@@ -20,11 +20,11 @@ from typing import Any
 from bastion.core.contract import Code, Refusal
 from bastion.core.events import EventType, Outcome, Result
 from bastion.core.policy import Account, Host, Policy, PolicyError, build_policy
+from bastion.core.stdin import Stdin, StdinEnd
 from bastion.core.subject import Peer, ProcessInfo, Subject
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.assembly import build_service
 from bastion.gateway.recorder import Recorder
-from bastion.core.stdin import Stdin, StdinEnd
 from bastion.gateway.service import AgentConn, PolicyWatch
 from bastion.gateway.stdin import Taken
 from bastion.journal import JournalError

@@ -43,6 +43,7 @@ from bastion.core.policy import (
     host_key_fingerprint,
     parse_policy_text,
 )
+from bastion.core.stdin import Stdin, StdinEnd
 from bastion.core.subject import SubjectKey
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKwqVd3vMikqXGyJKL6mRiDHH8Ym3yLu2zkTPeUe2xx0"
@@ -249,6 +250,7 @@ REFUSALS: list[tuple[str, Code, str]] = [
     ("ssh_user", Code.UNSUPPORTED_REQUEST, "does not match the user"),
     ("shared_connection", Code.UNSUPPORTED_REQUEST, "This ssh connection can be shared"),
     ("bad_command", Code.UNSUPPORTED_REQUEST, "NUL byte"),
+    ("stdin_too_large", Code.UNSUPPORTED_REQUEST, "file transfer through bastion"),
     ("not_journaled", Code.INTERNAL, "could not write this request to its journal (disk"),
     ("records_lost", Code.INTERNAL, "could not journal every record"),
     ("witness_refusing", Code.GATEWAY_BUSY, "the witness is behind"),
@@ -297,6 +299,7 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         SUBJECT,
         channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
         ssh_user="other" if facts.get("ssh_user") else user,
+        stdin=Stdin.of(b"x" * 9, StdinEnd.TOO_LARGE) if facts.get("stdin_too_large") else None,
     )
     w = world(
         locked=bool(facts.get("locked")),
