@@ -5,12 +5,13 @@ request path), `refusals` (what the edges may say of what they observed, and
 its code), `opguard` (who may speak for the operator), `policy` (the policy
 model), `command` (a command read as the target's shell reads it), `subject`
 (who asks, and where the subject stands in a process chain), `binding` (what a
-yes is bound to), `stdin` (an agent's stdin on a command card), `certs` (what a per-command certificate says), `cards` (what
-a person is asked), `contract` (what an agent is told: codes, exit statuses,
-the `Refusal`), `errors` (the root exception), `events` (the journal's
-vocabulary and its folds), `display` (what a person is shown), `options`
-(options that run programs), `sharing` (what an agent is told of a shared ssh
-connection), `defaults` (every tunable, once).
+yes is bound to), `stdin` (an agent's stdin on a command card), `certs` (what a
+per-command certificate says), `cards` (what a person is asked), `contract`
+(what an agent is told: codes, exit statuses, the `Refusal`), `errors` (the
+root exception), `events` (the journal's vocabulary and its folds), `display`
+(what a person is shown), `options` (options that run programs), `sharing`
+(what an agent is told of a shared ssh connection), `defaults` (every tunable,
+once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no
