@@ -21,3 +21,6 @@ MAX_RUNS_PER_UID = 256  # live registered runs (a pidfd watch each); runs do not
 REQUESTS_REMEMBERED = 65536  # requests whose state the agent socket's `request` answers
 MAX_INFLIGHT = 128  # commands dispatched at once; past it they queue (bastion.toml [limits])
 QUEUE_WAIT = 30.0  # seconds a command may queue for a slot before GATEWAY_BUSY
+# The largest write a per-command account's file card can hold: the gateway buffers it
+# whole (in memory) so the operator approves its exact sha256; larger is refused.
+MAX_FILE_CARD_BYTES = 64 * 1024 * 1024

@@ -11,6 +11,7 @@ import pytest
 from bastion.core.binding import Binding
 from bastion.core.contract import Code, Refusal
 from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
+from bastion.core.files import FileKind, FileOp
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
     AskCommand,
@@ -69,6 +70,12 @@ user = "cert"
 auth = "certificate"
 source_address = ["10.0.0.1"]
 deny = ["*rm -rf*"]
+
+[[hosts.web1.accounts]]
+user = "files"
+credential = "files-key"
+approval = "per-command"
+files = {{ read = ["/var/log/**"], write = ["/srv/app/**"] }}
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
@@ -266,6 +273,7 @@ CHANNEL_WORDS = {
     Channel.SHELL: "does not open an interactive shell",
     Channel.SUBSYSTEM: "does not open a subsystem",
     Channel.SHARED: "this connection already carried one",
+    Channel.SFTP: "an sftp request without a file operation",
 }
 
 
@@ -280,9 +288,45 @@ SHARING: dict[str, tuple[bool, bool | None, str | None]] = {
 }
 
 
-def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request, World]:
+# A file operation's request meets the same facts in the same order; its own two
+# stand where the command's stood (a path that cannot be carried, a path no rule
+# admits), and a certificate account has no file access, so `certify_problem` is not
+# one of its facts.
+FILE_FACTS = {
+    "bad_command": ("bad_path", Code.UNSUPPORTED_REQUEST, "a path with a NUL byte"),
+    "denied_command": ("denied_file", Code.POLICY_DENIED, "matches no files.read rule"),
+}
+
+
+def file_refusals() -> list[tuple[str, Code, str]]:
+    return [
+        FILE_FACTS.get(name, (name, code, words))
+        for name, code, words in REFUSALS
+        if name != "certify_problem"
+    ]
+
+
+def refused(
+    facts: dict[str, object], sharing: str = "process", file: bool = False
+) -> tuple[Request, World]:
     """The request and world with these facts failing (`channel`: which non-exec one),
-    for a subject and ControlMaster as `sharing` names them (`SHARING`)."""
+    for a subject and ControlMaster as `sharing` names them (`SHARING`); `file`: the
+    request is one sftp read on a session account with `files` rules."""
+    if file:
+        path = "/etc/shadow" if facts.get("denied_file") else "/var/log/syslog"
+        if facts.get("bad_path"):
+            path = "/var/log/a\0b"
+        req = Request(
+            "req_1",
+            "db9" if facts.get("unknown_host") else "web1",
+            "root" if facts.get("denied_account") else "files",
+            b"",
+            SUBJECT,
+            channel=facts.get("channel") or Channel.SFTP,  # type: ignore[arg-type]
+            ssh_user="other" if facts.get("ssh_user") else None,
+            file=FileOp(FileKind.READ, path),
+        )
+        return req, refused_world(facts, sharing)
     user = "root" if facts.get("denied_account") else "cert"
     command = b"echo hi"
     if facts.get("denied_command"):
@@ -298,7 +342,11 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
         ssh_user="other" if facts.get("ssh_user") else user,
     )
-    w = world(
+    return req, refused_world(facts, sharing)
+
+
+def refused_world(facts: dict[str, object], sharing: str) -> World:
+    return world(
         locked=bool(facts.get("locked")),
         shared_connection=bool(facts.get("shared_connection")),
         not_journaled="disk full" if facts.get("not_journaled") else None,
@@ -314,16 +362,17 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         mux_clients_in_run=SHARING[sharing][1],
         mux_seen="a process outside the run (or of another run) is connected",
     )
-    return req, w
 
 
-def order_for(sharing: str, channel: Channel | None) -> list[tuple[str, Code, str]]:
+def order_for(
+    sharing: str, channel: Channel | None, file: bool = False
+) -> list[tuple[str, Code, str]]:
     """REFUSALS as they stand for this subject and ControlMaster: a run whose master
     only its own processes use drops the shared-connection refusals; another run's
     words are the run's."""
     words = SHARING[sharing][2]
     out = []
-    for name, code, fact_words in REFUSALS:
+    for name, code, fact_words in file_refusals() if file else REFUSALS:
         if name == "channel" and channel is not None:
             fact_words = CHANNEL_WORDS[channel]
         shared = name == "shared_connection" or (name == "channel" and channel is Channel.SHARED)
@@ -347,23 +396,39 @@ def test_each_refusal_fact_alone_is_refused_with_its_code(
         assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
 
 
+@pytest.mark.parametrize("fact,code,words", file_refusals())
+def test_each_refusal_fact_alone_refuses_a_file_operation_with_its_code(
+    fact: str, code: Code, words: str
+) -> None:
+    channels = [c for c in CHANNELS if c is not Channel.SFTP]
+    for value in channels if fact == "channel" else [True]:
+        verdict = evaluate(*refused({fact: value}, file=True))
+        assert isinstance(verdict, Refusal) and verdict.code is code, (fact, value)
+        assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
+
+
+@pytest.mark.parametrize("file", [False, True], ids=["exec", "file"])
 @pytest.mark.parametrize("sharing", SHARING)
 @pytest.mark.parametrize("channel", [None, *CHANNELS])
 def test_the_first_failing_check_in_contract_order_decides(
-    channel: Channel | None, sharing: str
+    channel: Channel | None, sharing: str, file: bool
 ) -> None:
     """Over every combination of the refusal facts (and each channel, and each kind of
     subject and ControlMaster), the verdict is exactly the refusal of the first fact
     that fails, in the contract's order: in particular VAULT_LOCKED whenever the vault
     is locked, and a run's shared connection refused unless every process on its
     master was seen to be of the run."""
-    names = [name for name, _, _ in REFUSALS if name != "channel"]
-    order = order_for(sharing, channel)
+    if file and channel is Channel.SFTP:
+        channel = None  # a file operation's own channel: no channel fact
+    if not file and channel is Channel.SFTP:
+        pytest.skip("an sftp channel without a file operation: the exec case's channel fact")
+    order = order_for(sharing, channel, file)
+    names = [name for name, _, _ in order if name != "channel"]
     for values in itertools.product([False, True], repeat=len(names)):
         facts: dict[str, object] = {n: v for n, v in zip(names, values, strict=True) if v}
         if channel is not None:
             facts["channel"] = channel
-        verdict = evaluate(*refused(facts, sharing))
+        verdict = evaluate(*refused(facts, sharing, file))
         first = next(((n, c, w) for n, c, w in order if n in facts), None)
         if first is None:
             assert isinstance(verdict, AskSession)
