@@ -26,6 +26,7 @@ class BastionError(Exception):
         ├── core.certs.CertError [ValueError] -- a certificate cannot say exactly what was approved
         ├── core.command.RuleError [ValueError] -- a rule that is not a list of words
         ├── core.policy.PolicyError -- the policy cannot be trusted as written
+        ├── core.files.FilesError [ValueError] -- a `files` table that is not path globs
         ├── config.ConfigError -- bastion.toml cannot be used as written
         ├── identity.IdentityError -- the peer could not be identified
         ├── journal.JournalError -- the journal cannot be used as asked
@@ -54,6 +55,7 @@ class BastionError(Exception):
         ├── gateway.export.StreamStopped -- the gateway ends an export stream
         ├── ca.openbao.LoginError [ValueError] -- a sealed login of neither shape
         ├── gateway.outbound._ChannelRefused -- the target refused a channel on a shared connection
+        ├── gateway.sftp._Unresolved -- the target could not resolve a file operation's path
         ├── gateway.tenants.RunRefused [ValueError] -- a run that would nest, or one too many
         ├── devtools.openbao.OpenBaoError [RuntimeError]
         ├── devtools.rsyslog.RsyslogError [RuntimeError]

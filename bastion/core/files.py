@@ -30,11 +30,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import posixpath
 import re
 from dataclasses import dataclass
 
 from bastion.core.contract import Exit
+from bastion.core.errors import BastionError
 
 MAX_PATH = 4096  # PATH_MAX on Linux: a longer name is no path the target could open
 
@@ -66,7 +66,7 @@ MUTATIONS = frozenset(
 )
 
 
-class FilesError(ValueError):
+class FilesError(BastionError, ValueError):
     """A `files` table cannot be trusted as written; the message names the field."""
 
 
@@ -267,9 +267,17 @@ def absolute(path: str, home: str | None) -> str | None:
     if not path.startswith("/"):
         if home is None:
             return None
-        path = posixpath.join(home, path)
-    folded = posixpath.normpath(path)
-    return "/" + folded.lstrip("/")  # normpath keeps a leading "//"
+        path = home.rstrip("/") + "/" + path
+    kept: list[str] = []
+    for seg in path.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if kept:
+                kept.pop()
+            continue
+        kept.append(seg)
+    return "/" + "/".join(kept)
 
 
 def _first(rules: tuple[PathRule, ...], path: str, home: str | None) -> PathRule | None:

@@ -56,6 +56,7 @@ from asyncssh.sftp import SFTPServerHandler
 
 from bastion.core.contract import Failure
 from bastion.core.defaults import MAX_FILE_CARD_BYTES
+from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result
 from bastion.core.files import FileKind, FileOp, absolute, problem, sftp_status
 from bastion.core.gate import Channel, Dispatch, Request, file_resolved
@@ -343,7 +344,7 @@ class Broker:
         return box.value
 
 
-class _Unresolved(Exception):
+class _Unresolved(BastionError):
     """The target could not resolve a path (it does not exist, nor its parent): its
     own SFTP error is the answer. Raised before the intent, so nothing was sent."""
 

@@ -185,9 +185,7 @@ def test_a_symlink_out_of_the_rules_is_refused(
     assert not (tmp_path / "link").exists()
 
 
-def test_per_command_upload_is_a_file_card(
-    bastion: Bastion, area: Path, tmp_path: Path
-) -> None:
+def test_per_command_upload_is_a_file_card(bastion: Bastion, area: Path, tmp_path: Path) -> None:
     b = bastion
     b.write_policy(inline_tables(files_policy(b.sshd, area, approval="per-command")))
     agent = b.agent()
@@ -222,7 +220,6 @@ def test_vault_locked_mid_session_refuses_the_next_operation(
     session_files: Bastion, area: Path, tmp_path: Path
 ) -> None:
     b = session_files
-    agent = b.agent()
     (tmp_path / "one").write_bytes(b"one")
     (tmp_path / "two").write_bytes(b"two")
     rw = area / "rw"
@@ -278,3 +275,19 @@ def test_paramiko_sftp_client(session_files: Bastion, area: Path) -> None:
         approver.close()
     assert (area / "rw" / "p.bin").read_bytes() == data
     no_content_anywhere(b)
+
+
+def test_other_subsystems_stay_refused_and_allow_accounts_have_no_files(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    b = bastion
+    agent = b.agent()
+    other = client(b, agent, ["ssh", *ssh_opts(b), "-s", "web1", "netconf"])
+    assert other.code == "UNSUPPORTED_REQUEST", other.stderr
+    assert "does not open a subsystem" in other.error["message"]  # type: ignore[index]
+    b.write_policy(policy_toml(b.sshd, allow=["uptime"]))
+    (tmp_path / "x").write_bytes(b"x")
+    r = client(b, agent, ["scp", *ssh_opts(b), str(tmp_path / "x"), f"web1:{tmp_path}/y"])
+    assert r.code == "POLICY_DENIED", r.stderr
+    assert "has no file access" in r.error["message"]  # type: ignore[index]
+    assert not (tmp_path / "y").exists()
