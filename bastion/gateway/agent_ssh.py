@@ -7,7 +7,8 @@ the same socket. No SSH-level authentication is asked for: identity comes
 from the socket peer, never from anything the client presents.
 
 Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
-forwarding. Shell and subsystem requests are answered with the agent-facing
+forwarding. The `sftp` subsystem is served, one request per file operation
+(`sftp.py`); shell and other subsystem requests are answered with the agent-facing
 JSON error so that the agent learns what to do instead.
 
 One exec channel per connection: a second one is what an ssh ControlMaster

@@ -300,3 +300,22 @@ def test_the_agents_sftp_server_serves_none_of_the_gateways_files() -> None:
     kept = {"convert_attrs", "channel", "connection", "env", "logger"}
     missing = sorted(n for n in base - kept if n not in vars(Brokered))
     assert not missing, missing
+
+
+def test_bastion_approve_renders_a_file_card() -> None:
+    from bastion.cli.prompt import render_card
+
+    data = b"content"
+    op = FileOp(
+        FileKind.WRITE, "/srv/app/f", size=7, sha256=hashlib.sha256(data).hexdigest(), mode=0o640
+    )
+    verdict = evaluate(req("pc", op), world(session=session("pc")))
+    assert isinstance(verdict, AskCommand)
+    proc = ProcessInfo(100, 1, 1.5, 0, "/usr/bin/sftp", "exe", "sftp", ("sftp",))
+    subject = Subject(100, 1.5, "/usr/bin/sftp", "exe", 0, "nonce")
+    card = make_card(
+        "cc_1", req("pc", op), verdict, Peer(100, 0, 0, (proc,), subject), None, "b", 7, 0, 60
+    )
+    text = render_card(card.as_json(), details=True)
+    assert "change a file" in text and "write /srv/app/f" in text
+    assert f"sha256:   {op.sha256}" in text and "size:     7 bytes" in text and "0640" in text
