@@ -373,7 +373,7 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "subject": e.get("subject"),
                 "received_at": e.get("t"),
                 "certificate": None,
-            }
+            } | ({"file": e["file"]} if e.get("file") else {})  # an sftp operation's
             continue
         row = rows.get(rid)
         if row is None:

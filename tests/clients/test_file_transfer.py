@@ -246,22 +246,46 @@ def test_vault_locked_mid_session_refuses_the_next_operation(
     assert b'"VAULT_LOCKED"' in err, err
 
 
-def test_paramiko_sftp_client(session_files: Bastion, area: Path) -> None:
+def paramiko_sftp(b: Bastion) -> tuple[Any, Any]:
+    """paramiko's SFTPClient over the proxy line of the ssh-config, `auth_none`."""
     paramiko = pytest.importorskip("paramiko")
-    b = session_files
     proxy = next(
         line.split(None, 1)[1]
         for line in b.config.read_text().splitlines()
         if line.strip().startswith("ProxyCommand")
     )
     proxy = proxy.replace("%h", "web1").replace("%p", "22").replace("%r", b.sshd.user)
+    transport = paramiko.Transport(paramiko.ProxyCommand(proxy))
+    transport.start_client(timeout=30)
+    transport.auth_none(b.sshd.user)
+    return transport, paramiko.SFTPClient.from_transport(transport)
+
+
+def test_a_write_cut_off_mid_file_ends_unknown(session_files: Bastion, area: Path) -> None:
+    b = session_files
     approver = Approver(b)
     try:
-        sock = paramiko.ProxyCommand(proxy)
-        transport = paramiko.Transport(sock)
-        transport.start_client(timeout=30)
-        transport.auth_none(b.sshd.user)
-        sftp = paramiko.SFTPClient.from_transport(transport)
+        transport, sftp = paramiko_sftp(b)
+        f = sftp.open(f"{area}/rw/cut.bin", "wb")
+        f.write(b"x" * 100_000)
+        f.flush()
+        wait_for(lambda: (area / "rw" / "cut.bin").stat().st_size == 100_000, 30)
+        transport.close()  # the agent goes away with the file open
+    finally:
+        approver.close()
+
+    def ended_unknown() -> bool:
+        rows = [r for r in activity(b) if "cut.bin" in json.dumps(r)]
+        return any(r.get("outcome") == "unknown" for r in rows)
+
+    wait_for(ended_unknown, 30)
+
+
+def test_paramiko_sftp_client(session_files: Bastion, area: Path) -> None:
+    b = session_files
+    approver = Approver(b)
+    try:
+        transport, sftp = paramiko_sftp(b)
         assert sftp is not None
         data = payload(100_000)
         with sftp.open(f"{area}/rw/p.bin", "wb") as f:
