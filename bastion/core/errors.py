@@ -55,7 +55,6 @@ class BastionError(Exception):
         ├── gateway.export.StreamStopped -- the gateway ends an export stream
         ├── ca.openbao.LoginError [ValueError] -- a sealed login of neither shape
         ├── gateway.outbound._ChannelRefused -- the target refused a channel on a shared connection
-        ├── gateway.sftp._Unresolved -- the target could not resolve a file operation's path
         ├── gateway.tenants.RunRefused [ValueError] -- a run that would nest, or one too many
         ├── devtools.openbao.OpenBaoError [RuntimeError]
         ├── devtools.rsyslog.RsyslogError [RuntimeError]

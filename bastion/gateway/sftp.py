@@ -56,7 +56,6 @@ from asyncssh.sftp import SFTPServerHandler
 
 from bastion.core.contract import Failure
 from bastion.core.defaults import MAX_FILE_CARD_BYTES
-from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result
 from bastion.core.files import FileKind, FileOp, absolute, problem, sftp_status
 from bastion.core.gate import Channel, Dispatch, Request, file_resolved
@@ -305,10 +304,10 @@ class Broker:
             await intent.prepare()
             try:
                 where = await self.resolved(client, op)
-            except (OSError, asyncssh.Error) as exc:
-                if isinstance(exc, asyncssh.SFTPError):
-                    raise _Unresolved(exc) from None
-                raise
+            except asyncssh.SFTPError:
+                # Neither the path nor its parent resolves: nothing there for a link to
+                # lead astray; the operation gets the target's own answer (no such file).
+                where = ()
             refused = file_resolved(decided.account, replace(op, resolved=where))
             if refused is not None:
                 raise refused
@@ -329,12 +328,7 @@ class Broker:
                 )
             return Result(Outcome.COMPLETED, exit_status=0, transferred=moved())
 
-        try:
-            result = await self.service.handle(
-                self.conn, req, self.conversation, None, perform=perform
-            )
-        except _Unresolved as unresolved:
-            raise unresolved.error from None
+        result = await self.service.handle(self.conn, req, self.conversation, None, perform=perform)
         if isinstance(result, Failure):
             with contextlib.suppress(OSError, asyncssh.Error):
                 self.stderr.write(result.json_line())
@@ -342,15 +336,6 @@ class Broker:
         if box.error is not None:
             raise box.error
         return box.value
-
-
-class _Unresolved(BastionError):
-    """The target could not resolve a path (it does not exist, nor its parent): its
-    own SFTP error is the answer. Raised before the intent, so nothing was sent."""
-
-    def __init__(self, error: asyncssh.SFTPError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 async def _realpath(client: asyncssh.SFTPClient, path: str) -> str:
