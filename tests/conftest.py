@@ -20,7 +20,7 @@ import pytest
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, sshd_available
 from tests.harness import Bastion, make_bastion
 
-TIERS = ("unit", "integration", "container")
+TIERS = ("unit", "integration", "container", "clients")
 
 # The vault's key derivation costs about 0.8 s and 512 MiB in production; the tests
 # create hundreds of vaults. Every subprocess (bastion init, unlock, the daemon)

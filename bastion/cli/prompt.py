@@ -112,10 +112,27 @@ def stdin_lines(stdin: dict[str, Any], style: Style) -> list[str]:
     return lines
 
 
+def _file_lines(f: dict[str, Any], style: Style) -> list[str]:
+    """A file card: the operation, its path(s), and for a write the exact bytes' size,
+    sha256 and mode -- what is written if the answer is yes."""
+    lines = [f"  file:     {style.bold(_shown(f['op']))} {style.bold(_shown(f['path']))}"]
+    if f.get("to") is not None:
+        lines.append(f"            to {style.bold(_shown(f['to']))}")
+    if f.get("size") is not None:
+        lines.append(f"  size:     {int(f['size'])} bytes")
+    if f.get("sha256"):
+        lines.append(f"  sha256:   {_shown(f['sha256'])}")
+    if f.get("mode") is not None:
+        lines.append(f"  mode:     {_shown(f['mode'])}")
+    return lines
+
+
 def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAIN) -> str:
     """A card as a person reads it: who asks, for what, and what changed."""
     s = card["subject"]
     what = "run a command" if card["kind"] == "command" else "use this host and account"
+    if card.get("file"):
+        what = "change a file"
     lines = [
         style.bold(f"{_shown(card['id'])}: {_shown(card['kind'])} approval -- {what}"),
         f"  target:   {_shown(card['user'])}@{_shown(card['host'])}  "
@@ -148,6 +165,8 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         lines += _command_lines(card, style)
     if card.get("stdin") is not None:
         lines += stdin_lines(card["stdin"], style)
+    if card.get("file"):
+        lines += _file_lines(card["file"], style)
     if details:
         lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
         if s.get("exec_watch"):

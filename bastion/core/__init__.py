@@ -3,7 +3,8 @@
 `gate` (the decision: a request in a world to a verdict, every refusal of the
 request path), `refusals` (what the edges may say of what they observed, and
 its code), `opguard` (who may speak for the operator), `policy` (the policy
-model), `command` (a command read as the target's shell reads it), `subject`
+model), `files` (file operations and the paths an account may read and
+write), `command` (a command read as the target's shell reads it), `subject`
 (who asks, and where the subject stands in a process chain), `binding` (what a
 yes is bound to), `stdin` (an agent's stdin on a command card), `certs` (what a
 per-command certificate says), `cards` (what a person is asked), `contract`

@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bastion.core.binding import Binding
-from bastion.core.command import Construct
-from bastion.core.display import escape_command, escape_command_marked
+from bastion.core.command import Construct, Reading
+from bastion.core.display import escape_command, escape_command_marked, escape_text
+from bastion.core.files import FileOp
 from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Request
+from bastion.core.policy import CommandCheck
 from bastion.core.stdin import Stdin, digest_of
 from bastion.core.subject import Peer, ProcessInfo, Subject
 
@@ -45,6 +47,7 @@ class Card:
     expires_at: float
     session_id: str | None = None  # command cards: the session they extend
     stdin: Stdin | None = None  # command cards: the stdin read before it (None: not read)
+    file: FileOp | None = None  # a file card: the operation (path, size, sha256, mode)
 
     def as_json(self, preview: bool = True) -> dict[str, object]:
         """The card for an operator's screen; `preview=False` for the journal, which
@@ -73,7 +76,16 @@ class Card:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "stdin": stdin_json(self.stdin, preview),
-        }
+        } | ({"file": _file_json(self.file)} if self.file is not None else {})
+
+
+def _file_json(op: FileOp) -> dict[str, object]:
+    """A file card's operation, its paths escaped as every shown string is."""
+    shown = op.as_json()
+    for key in ("path", "to"):
+        if isinstance(shown[key], str):
+            shown[key] = escape_text(str(shown[key]))
+    return shown
 
 
 def stdin_json(stdin: Stdin | None, preview: bool) -> dict[str, object] | None:
@@ -103,9 +115,13 @@ def make_card(
     a command card also the exact bytes it would send."""
     host, account = verdict.host, verdict.account
     is_command = isinstance(verdict, AskCommand)
-    reading = verdict.check.reading if isinstance(verdict, AskCommand) else None
+    file = req.file if is_command else None
+    reading: Reading | None = None
+    if isinstance(verdict, AskCommand) and isinstance(verdict.check, CommandCheck):
+        reading = verdict.check.reading
     constructs = reading.constructs if reading is not None else ()
     shown, marks = escape_command_marked(req.command, [c.offset for c in constructs])
+    is_exec = is_command and file is None
     return Card(
         id=card_id,
         kind=CardKind.COMMAND if is_command else CardKind.SESSION,
@@ -113,14 +129,14 @@ def make_card(
         reason=verdict.reason if isinstance(verdict, AskSession) else None,
         host=host.alias,
         binding=(
-            Binding.of(host, account, req.command_sha256, stdin=digest_of(req.stdin))
+            Binding.of(host, account, req.what, stdin=digest_of(req.stdin))
             if is_command
             else Binding.of(host, account, None)
         ),
-        command=shown if is_command else None,
+        command=shown if is_exec else None,
         argv=reading.argv if reading is not None else None,
         shell_syntax=constructs,
-        command_marks=tuple(marks) if is_command else (),
+        command_marks=tuple(marks) if is_exec else (),
         subject=peer.subject,
         chain=peer.chain,
         conversation=conversation,
@@ -135,4 +151,5 @@ def make_card(
         expires_at=now + timeout,
         session_id=verdict.session.id if isinstance(verdict, AskCommand) else None,
         stdin=req.stdin if is_command else None,
+        file=file,
     )

@@ -27,3 +27,6 @@ MAX_CARD_STDIN = 1024 * 1024  # bytes of stdin a command card may carry
 STDIN_WAIT = 3.0  # seconds of silence before an open stdin counts as sending nothing more
 STDIN_DEADLINE = 30.0  # seconds the whole read may take: a trickle is not waited for
 STDIN_PREVIEW = 512  # bytes of stdin a card shows, escaped like a command
+# The largest write a per-command account's file card can hold: the gateway buffers it
+# whole (in memory) so the operator approves its exact sha256; larger is refused.
+MAX_FILE_CARD_BYTES = 64 * 1024 * 1024

@@ -26,6 +26,7 @@ class BastionError(Exception):
         ├── core.certs.CertError [ValueError] -- a certificate cannot say exactly what was approved
         ├── core.command.RuleError [ValueError] -- a rule that is not a list of words
         ├── core.policy.PolicyError -- the policy cannot be trusted as written
+        ├── core.files.FilesError [ValueError] -- a `files` table that is not path globs
         ├── config.ConfigError -- bastion.toml cannot be used as written
         ├── identity.IdentityError -- the peer could not be identified
         ├── journal.JournalError -- the journal cannot be used as asked

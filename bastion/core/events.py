@@ -45,6 +45,9 @@ class Result:
     code: Code | None = None  # the agent-facing code when the gateway must explain the ending
     message: str = ""
     cause: str | None = None  # for not_started / unknown: what is known of why
+    # a file operation's: (size, sha256) of the bytes that went through, journaled in
+    # the record's encrypted body (never the bytes)
+    transferred: tuple[int, str] | None = None
 
     def meta(self, request_id: str) -> dict[str, Any]:
         """The plaintext of the record that ends the request's story."""
@@ -375,7 +378,7 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "subject": e.get("subject"),
                 "received_at": e.get("t"),
                 "certificate": None,
-            }
+            } | ({"file": e["file"]} if e.get("file") else {})  # an sftp operation's
             continue
         row = rows.get(rid)
         if row is None:

@@ -46,9 +46,16 @@ from dataclasses import dataclass, replace
 from bastion.core.binding import Binding
 from bastion.core.certs import Auth
 from bastion.core.contract import NOT_SENT, Code, EndReason, Failure, Refusal
-from bastion.core.defaults import MAX_COMMAND_BYTES, MAX_PENDING_CARDS_PER_TENANT
+from bastion.core.defaults import (
+    MAX_COMMAND_BYTES,
+    MAX_FILE_CARD_BYTES,
+    MAX_PENDING_CARDS_PER_TENANT,
+)
+from bastion.core.files import FileCheck, FileKind, FileOp, check_file, needs_file_card
+from bastion.core.files import problem as file_problem
 from bastion.core.policy import (
     Account,
+    ApprovalMode,
     CommandCheck,
     Host,
     Policy,
@@ -117,6 +124,7 @@ class Channel(enum.Enum):
     SHELL = "shell"  # an exec channel that asked for an interactive shell
     SUBSYSTEM = "subsystem"  # sftp and the like
     SHARED = "shared"  # a later exec channel on a connection that already carried one
+    SFTP = "sftp"  # one file operation on the sftp subsystem (`Request.file`)
 
 
 @dataclass(frozen=True)
@@ -134,12 +142,18 @@ class Request:
     # Its stdin, read whole before a command card (`reads_stdin`); None: not read, and
     # it streams to the target as it comes (session accounts, commands with no card).
     stdin: Stdin | None = None
+    file: FileOp | None = None  # an sftp request's one file operation (`Channel.SFTP`)
 
     @property
     def command_sha256(self) -> str:
-        """What this request does, as a card shows it and a grant is bound to it
-        (`Binding.what`)."""
+        """The sha256 of the exec's exact command bytes."""
         return hashlib.sha256(self.command).hexdigest()
+
+    @property
+    def what(self) -> str:
+        """What this request does, as a card shows it and a grant is bound to it
+        (`Binding.what`): the command's sha256, or a file operation's digest."""
+        return self.file.digest if self.file is not None else self.command_sha256
 
 
 @dataclass(frozen=True)
@@ -187,7 +201,8 @@ class AskCommand:
     host: Host
     account: Account
     session: SessionGrant
-    check: CommandCheck  # how the command reads (argv or shell source) and why it asks
+    # how the command reads (argv or shell source) and why it asks; a file card's rule
+    check: CommandCheck | FileCheck
 
 
 @dataclass(frozen=True)
@@ -274,8 +289,7 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.binding
-        == Binding.of(host, account, req.command_sha256, stdin=digest_of(req.stdin))
+        and grant.binding == Binding.of(host, account, req.what, stdin=digest_of(req.stdin))
     )
 
 
@@ -285,8 +299,8 @@ def reads_stdin(req: Request, verdict: Verdict) -> bool:
     to the exact bytes (`Binding.stdin`), and what a person approved is all the target
     gets. Session cards approve a process, not bytes, and a command that needs no card
     (a session account, a preapproved command) was decided without them: there stdin
-    streams as it comes."""
-    return isinstance(verdict, AskCommand) and req.stdin is None
+    streams as it comes. A file operation has no stdin: a file card shows its bytes."""
+    return isinstance(verdict, AskCommand) and req.file is None and req.stdin is None
 
 
 @dataclass(frozen=True)
@@ -298,13 +312,16 @@ class Assessment:
     deny: Refusal | None
     host: Host | None = None
     account: Account | None = None
-    check: CommandCheck | None = None
+    check: CommandCheck | FileCheck | None = None
     command_card: bool = False
     preapproved: str | None = None  # the preapproved rule that spares the command card
 
 
-def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessment:
-    """Step 3 (host, account, command rules) and step 5's question: a card or not."""
+def assess(
+    policy: Policy, host_name: str, user: str, command: bytes, file: FileOp | None = None
+) -> Assessment:
+    """Step 3 (host, account, command rules -- or, for a file operation, the account's
+    `files` rules) and step 5's question: a card or not."""
     host = policy.host(host_name)
     if host is None:
         known = ", ".join(sorted(policy.hosts)) or "none"
@@ -326,6 +343,8 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
             ),
             host,
         )
+    if file is not None:
+        return assess_file(host, account, file)
     check = check_command(account, command.decode("utf-8"))
     if not check.allowed:
         deny = Refusal(
@@ -342,6 +361,55 @@ def assess(policy: Policy, host_name: str, user: str, command: bytes) -> Assessm
     )
 
 
+def assess_file(host: Host, account: Account, op: FileOp) -> Assessment:
+    """A file operation against the account's `files` rules; a mutation on a
+    per-command account needs a file card (a command card whose request is a file)."""
+    checked = check_file(account.file_rules, account.label, op)
+    if not checked.allowed:
+        deny = Refusal(
+            Code.POLICY_DENIED, f"Policy denies this file operation: {checked.reason}. {NOT_SENT}"
+        )
+        return Assessment(deny, host, account, checked)
+    per_command = account.approval is ApprovalMode.PER_COMMAND
+    if per_command and op.kind is FileKind.WRITE:
+        unheld = file_card_problem(op)
+        if unheld is not None:
+            return Assessment(Refusal(Code.UNSUPPORTED_REQUEST, unheld), host, account, checked)
+    return Assessment(None, host, account, checked, needs_file_card(per_command, op))
+
+
+def file_card_problem(op: FileOp) -> str | None:
+    """Why a per-command account's write cannot be shown whole on a file card, or None:
+    the card holds the exact bytes' sha256, so the file is written whole (truncated
+    first) and fits the gateway's buffer."""
+    if not op.whole:
+        return (
+            f"{op.path!r} was opened to be written in place (without truncating it, or "
+            "to append); on a per-command account the operator approves a file's whole "
+            f"content, so bastion writes whole files only: upload the whole file. {NOT_SENT}"
+        )
+    if op.size is not None and op.size > MAX_FILE_CARD_BYTES:
+        return (
+            f"the upload to {op.path!r} is larger than {MAX_FILE_CARD_BYTES} bytes, the most "
+            "a per-command account's file card holds (the gateway buffers a write whole so "
+            "the operator approves its exact sha256). Upload a smaller file, or ask the "
+            f"operator for an account with session approval for this path. {NOT_SENT}"
+        )
+    return None
+
+
+def file_resolved(account: Account, op: FileOp) -> Refusal | None:
+    """The gate's policy step again, once the target said where the operation's paths
+    lead (`FileOp.resolved`: a symlink may point outside the rules), right before it
+    leaves; None when every path, and where it leads, is allowed."""
+    checked = check_file(account.file_rules, account.label, op)
+    if checked.allowed:
+        return None
+    return Refusal(
+        Code.POLICY_DENIED, f"Policy denies this file operation: {checked.reason}. {NOT_SENT}"
+    )
+
+
 def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
@@ -349,6 +417,9 @@ def unsupported(req: Request, world: World) -> str | None:
         refused = not_shareable(world, ONE_COMMAND)
         if refused is not None:
             return refused
+    elif req.channel is Channel.SFTP:
+        if req.file is None:
+            return "an sftp request without a file operation. Nothing was sent."
     elif req.channel is not Channel.EXEC:
         what = "a subsystem" if req.channel is Channel.SUBSYSTEM else "an interactive shell"
         return (
@@ -364,6 +435,11 @@ def unsupported(req: Request, world: World) -> str | None:
         refused = not_shareable(world, CONTROL_MASTER)
         if refused is not None:
             return refused
+    if req.file is not None:
+        for path in filter(None, (req.file.path, req.file.to)):
+            if (bad := file_problem(path)) is not None:
+                return malformed(bad).message
+        return None
     problem = validate_command(req.command) or stdin_problem(req.stdin)
     if problem is not None:
         return malformed(problem).message
@@ -446,7 +522,7 @@ def evaluate(req: Request, world: World) -> Verdict:
     if isinstance(world.policy, PolicyError):
         return policy_unavailable()
     # 5. Policy: host, account, command (read as argv or shell source).
-    judged = assess(world.policy, req.host, req.user, req.command)
+    judged = assess(world.policy, req.host, req.user, req.command, req.file)
     if judged.deny is not None:
         return judged.deny
     host, account, check = judged.host, judged.account, judged.check

@@ -38,6 +38,7 @@ from bastion.core.command import (
     read_command,
 )
 from bastion.core.errors import BastionError
+from bastion.core.files import FileRules, FilesError, default_files, parse_files
 
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -54,6 +55,7 @@ _ACCOUNT_FIELDS = (
     "auth",
     "source_address",
     "cert_ttl",
+    "files",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -100,10 +102,23 @@ class Account:
     auth: Auth = Auth.KEY
     source_address: tuple[str, ...] = ()  # where the target sees the gateway come from
     cert_ttl: int = DEFAULT_TTL
+    files: FileRules | None = None  # the `files` table as written; None: not written
 
     @property
     def label(self) -> str:
         return f"{self.user}@{self.host}" if self.host else self.user
+
+    @property
+    def file_rules(self) -> FileRules | None:
+        """The paths this account may read and write over sftp: as written, or the
+        default (`core/files.default_files`); None: no file access."""
+        if self.files is not None:
+            return self.files
+        return default_files(
+            self.allow is not None,
+            self.approval is ApprovalMode.PER_COMMAND,
+            self.auth is Auth.CERTIFICATE,
+        )
 
 
 @dataclass(frozen=True)
@@ -281,6 +296,7 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         )
     mode = ApprovalMode(approval)
     allow = _rules(raw, "allow", where)
+    files = _files(raw, auth, where)
     return Account(
         user=user,
         credential=credential,
@@ -294,7 +310,24 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         auth=auth,
         source_address=source_address,
         cert_ttl=ttl,
+        files=files,
     )
+
+
+def _files(raw: dict[str, Any], auth: Auth, where: str) -> FileRules | None:
+    """The account's `files` table, validated whole (`core/files.parse_files`)."""
+    if "files" not in raw:
+        return None
+    if auth is Auth.CERTIFICATE:
+        fail(
+            where,
+            'field "files" cannot be given to a certificate account: its certificate\'s '
+            "force-command holds one command, and no file operation could be held to it",
+        )
+    try:
+        return parse_files(raw["files"])
+    except FilesError as exc:
+        fail(where, str(exc))
 
 
 def _parse_host(alias: str, raw: object, source: str) -> Host:
@@ -370,19 +403,23 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    return {
-        "user": a.user,
-        "credential": a.credential,
-        "approval": a.approval.value,
-        "allow": None if a.allow is None else [r.text for r in a.allow],
-        "deny": [r.text for r in a.deny],
-        "preapproved": [r.text for r in a.preapproved],
-        "shell": a.shell.value,
-        "login_shell": a.login_shell,
-    } | (
-        {}
-        if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
-        else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+    return (
+        {
+            "user": a.user,
+            "credential": a.credential,
+            "approval": a.approval.value,
+            "allow": None if a.allow is None else [r.text for r in a.allow],
+            "deny": [r.text for r in a.deny],
+            "preapproved": [r.text for r in a.preapproved],
+            "shell": a.shell.value,
+            "login_shell": a.login_shell,
+        }
+        | (
+            {}
+            if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
+            else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+        )
+        | ({"files": a.files.doc()} if a.files is not None else {})
     )
 
 

@@ -7,7 +7,8 @@ the same socket. No SSH-level authentication is asked for: identity comes
 from the socket peer, never from anything the client presents.
 
 Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
-forwarding. Shell and subsystem requests are answered with the agent-facing
+forwarding. The `sftp` subsystem is served, one request per file operation
+(`sftp.py`); shell and other subsystem requests are answered with the agent-facing
 JSON error so that the agent learns what to do instead.
 
 One exec channel per connection: a second one is what an ssh ControlMaster
@@ -65,6 +66,8 @@ from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
+from bastion.gateway.sftp import SubsystemProcess
+from bastion.gateway.sftp import serve as serve_sftp
 from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials
 from bastion.opsock import loads_line
@@ -404,7 +407,7 @@ class _AgentSSH(asyncssh.SSHServer):
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = AgentChannel
-        process = asyncssh.SSHServerProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
+        process = SubsystemProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
         return chan, process
 
     def _mux_view(self, extra: bool) -> MuxView | None:
@@ -446,6 +449,14 @@ class _AgentSSH(asyncssh.SSHServer):
         conversation = env.get("BASTION_CONVERSATION")
         if conversation is not None:
             conversation = conversation[:MAX_CONVERSATION]
+        if channel is Channel.SUBSYSTEM and process.subsystem == "sftp" and not extra:
+            # Every file operation is a request of its own (`gateway/sftp.py`).
+            log.info("%s: sftp subsystem for %s@%s", request_id, conn.user, conn.host)
+            outbound = self.service.outbound
+            await serve_sftp(
+                self.service, conn, process, conversation, self.ssh_user, outbound.open_sftp
+            )
+            return
         subject = conn.peer.subject
         # An action key belongs to the subject that sent it: bound to it here, so
         # another process's acknowledgement or question names another action.

@@ -257,6 +257,42 @@ class Dispatcher:
                 await self.pool.release(slot)
         raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=why)
 
+    async def open_sftp(
+        self, host: Host, account: Account, vault_epoch: int
+    ) -> tuple[asyncssh.SFTPClient, Callable[[], Awaitable[None]]]:
+        """An sftp channel to the target on a pooled connection of this account's key (in
+        this vault epoch), and what gives it back. Raises a `Refusal` when none can be
+        opened: nothing was sent. Certificate accounts have no file access (`core/files`)."""
+        key: PoolKey = (
+            host.address,
+            host.port,
+            account.user,
+            account.credential,
+            host.host_key,
+            vault_epoch,
+        )
+
+        async def connect() -> tuple[asyncssh.SSHClientConnection, Callable[[], bool]]:
+            conn = await self._connect(host, account)
+            tracked: _Tracked = conn.get_owner()  # type: ignore[assignment]
+            return conn, lambda: tracked.lost
+
+        slot = await self.pool.acquire(key, connect)
+        try:
+            client = await slot.conn.start_sftp_client()
+        except (OSError, asyncssh.Error) as exc:
+            await self.pool.release(slot)
+            why = getattr(exc, "reason", None) or str(exc)
+            raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=why) from exc
+
+        async def give_back() -> None:
+            client.exit()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.wait_closed(), 5)
+            await self.pool.release(slot)
+
+        return client, give_back
+
     async def _run_certified(
         self,
         host: Host,

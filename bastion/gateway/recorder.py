@@ -179,7 +179,8 @@ class Recorder:
                 "subject": peer.subject.as_json(),
                 "conversation": conversation,
                 "chain": [p.pid for p in peer.chain],
-            },
+            }
+            | ({"file": req.file.as_json()} if req.file is not None else {}),
         )
         for listener in self.on_received:
             listener(req.action, req.request_id)
@@ -211,8 +212,12 @@ class Recorder:
         )
 
     def outcome(self, request_id: str, result: Result) -> None:
+        moved = result.transferred
         self.record(
-            EventType.of(result.outcome), result.meta(request_id), {"message": result.message}
+            EventType.of(result.outcome),
+            result.meta(request_id),
+            {"message": result.message}
+            | ({"size": moved[0], "sha256": moved[1]} if moved is not None else {}),
         )
         log.info(
             "%s: %s%s",

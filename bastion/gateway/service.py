@@ -109,6 +109,12 @@ class Outbound(Protocol):
     def retire_all(self) -> None: ...
 
 
+# Carries out a decided request other than an exec (a file operation: `gateway/sftp.py`):
+# given the gate's verdict and the intent, which it calls with no await before the
+# operation leaves; raises a `Refusal` for an ending before that, returns the `Result`.
+Perform = Callable[[Dispatch, Intent], Awaitable[Result]]
+
+
 class Timer(Protocol):
     def cancel(self) -> None: ...
 
@@ -299,6 +305,7 @@ class Service:
         *,
         ack_unknown: bool = False,
         opened: MuxView | None = None,
+        perform: Perform | None = None,
     ) -> Result | Failure:
         """The whole life of one exec request; every ending is journaled.
 
@@ -318,7 +325,9 @@ class Service:
         req, streams = decided.request, decided.streams
         try:
             async with self.admission.slot(conn.peer.subject.process_key):
-                return await self.dispatch(conn, req, conversation, decided, streams, arrival)
+                return await self.dispatch(
+                    conn, req, conversation, decided, streams, arrival, perform
+                )
         except NoSlot as busy:
             now = self.world(req, conn.peer.subject, conversation, decided.command_card, arrival)
             ended = after_wait(req, now, no_slot(str(busy)))
@@ -454,13 +463,14 @@ class Service:
         decided: Decided,
         streams: Any,
         arrival: Arrival | None = None,
+        perform: Perform | None = None,
     ) -> Result | Failure:
-        """Send a decided command: re-ask the gate, spend the grant, journal the
-        intent durably (and, with a witness, have it confirmed: `Intent.prepare`), exec,
-        relay, and record the outcome as it is known. A refusal is journaled here: the
-        intent's as `denied`, the outbound side's as `not_started`. (None is raised on:
-        a frozen `Refusal` cannot pass through a context manager, which sets its
-        `__traceback__`.)"""
+        """Send a decided command (or carry out a decided file operation: `perform`):
+        re-ask the gate, spend the grant, journal the intent durably (and, with a
+        witness, have it confirmed: `Intent.prepare`), exec, relay, and record the
+        outcome as it is known. A refusal is journaled here: the intent's as `denied`,
+        the outbound side's as `not_started`. (None is raised on: a frozen `Refusal`
+        cannot pass through a context manager, which sets its `__traceback__`.)"""
         flight = InFlight(req.request_id)
         chosen = decided.dispatch
         seen = arrival or Arrival(lost=self.recorder.lost)
@@ -485,18 +495,21 @@ class Service:
         certify = self.certifier and self.certifier.login(req, chosen.account)
 
         try:
-            result = await self.outbound.run(
-                chosen.host,
-                chosen.account,
-                self.vault.epoch,
-                req.command,
-                streams,
-                intent,
-                started,
-                flight.abandon,
-                certify=certify,
-                prepare=intent.prepare if self.witnessed is not None else None,
-            )
+            if perform is not None:
+                result = await perform(chosen, intent)
+            else:
+                result = await self.outbound.run(
+                    chosen.host,
+                    chosen.account,
+                    self.vault.epoch,
+                    req.command,
+                    streams,
+                    intent,
+                    started,
+                    flight.abandon,
+                    certify=certify,
+                    prepare=intent.prepare if self.witnessed is not None else None,
+                )
         except Refusal as refused:
             if refused is intent.refusal:  # the gate, the journal or the witness said no
                 return self._denied(conn, req, refused.failure(req.request_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from bastion.core.binding import Binding
 from bastion.core.contract import Code, Refusal
 from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
+from bastion.core.files import FileKind, FileOp
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
     AskCommand,
@@ -70,6 +72,12 @@ user = "cert"
 auth = "certificate"
 source_address = ["10.0.0.1"]
 deny = ["*rm -rf*"]
+
+[[hosts.web1.accounts]]
+user = "files"
+credential = "files-key"
+approval = "per-command"
+files = {{ read = ["/var/log/**"], write = ["/srv/app/**"] }}
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
@@ -268,6 +276,7 @@ CHANNEL_WORDS = {
     Channel.SHELL: "does not open an interactive shell",
     Channel.SUBSYSTEM: "does not open a subsystem",
     Channel.SHARED: "this connection already carried one",
+    Channel.SFTP: "an sftp request without a file operation",
 }
 
 
@@ -282,9 +291,45 @@ SHARING: dict[str, tuple[bool, bool | None, str | None]] = {
 }
 
 
-def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request, World]:
+# A file operation's request meets the same facts in the same order; its own two
+# stand where the command's stood (a path that cannot be carried, a path no rule
+# admits), and a certificate account has no file access, so `certify_problem` is not
+# one of its facts, nor is stdin (a file operation has none: a file card shows its bytes).
+FILE_FACTS = {
+    "bad_command": ("bad_path", Code.UNSUPPORTED_REQUEST, "a path with a NUL byte"),
+    "denied_command": ("denied_file", Code.POLICY_DENIED, "matches no files.read rule"),
+}
+
+
+def file_refusals() -> list[tuple[str, Code, str]]:
+    return [
+        FILE_FACTS.get(name, (name, code, words))
+        for name, code, words in REFUSALS
+        if name not in ("certify_problem", "stdin_too_large")
+    ]
+
+
+def refused(
+    facts: dict[str, object], sharing: str = "process", file: bool = False
+) -> tuple[Request, World]:
     """The request and world with these facts failing (`channel`: which non-exec one),
-    for a subject and ControlMaster as `sharing` names them (`SHARING`)."""
+    for a subject and ControlMaster as `sharing` names them (`SHARING`); `file`: the
+    request is one sftp read on a session account with `files` rules."""
+    if file:
+        path = "/etc/shadow" if facts.get("denied_file") else "/var/log/syslog"
+        if facts.get("bad_path"):
+            path = "/var/log/a\0b"
+        req = Request(
+            "req_1",
+            "db9" if facts.get("unknown_host") else "web1",
+            "root" if facts.get("denied_account") else "files",
+            b"",
+            SUBJECT,
+            channel=facts.get("channel") or Channel.SFTP,  # type: ignore[arg-type]
+            ssh_user="other" if facts.get("ssh_user") else None,
+            file=FileOp(FileKind.READ, path),
+        )
+        return req, refused_world(facts, sharing)
     user = "root" if facts.get("denied_account") else "cert"
     command = b"echo hi"
     if facts.get("denied_command"):
@@ -301,7 +346,11 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         ssh_user="other" if facts.get("ssh_user") else user,
         stdin=Stdin.of(b"x" * 9, StdinEnd.TOO_LARGE) if facts.get("stdin_too_large") else None,
     )
-    w = world(
+    return req, refused_world(facts, sharing)
+
+
+def refused_world(facts: dict[str, object], sharing: str) -> World:
+    return world(
         locked=bool(facts.get("locked")),
         shared_connection=bool(facts.get("shared_connection")),
         not_journaled="disk full" if facts.get("not_journaled") else None,
@@ -317,16 +366,17 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         mux_clients_in_run=SHARING[sharing][1],
         mux_seen="a process outside the run (or of another run) is connected",
     )
-    return req, w
 
 
-def order_for(sharing: str, channel: Channel | None) -> list[tuple[str, Code, str]]:
+def order_for(
+    sharing: str, channel: Channel | None, file: bool = False
+) -> list[tuple[str, Code, str]]:
     """REFUSALS as they stand for this subject and ControlMaster: a run whose master
     only its own processes use drops the shared-connection refusals; another run's
     words are the run's."""
     words = SHARING[sharing][2]
     out = []
-    for name, code, fact_words in REFUSALS:
+    for name, code, fact_words in file_refusals() if file else REFUSALS:
         if name == "channel" and channel is not None:
             fact_words = CHANNEL_WORDS[channel]
         shared = name == "shared_connection" or (name == "channel" and channel is Channel.SHARED)
@@ -334,6 +384,23 @@ def order_for(sharing: str, channel: Channel | None) -> list[tuple[str, Code, st
             continue
         out.append((name, code, words if shared and words else fact_words))
     return out
+
+
+def fact_sets(names: list[str], samples: int = 400) -> list[tuple[str, ...]]:
+    """Which facts fail together: every set of at most three (so every pair and triple
+    of facts meets, each order between them is seen), every set lacking at most two,
+    and a seeded sample of the rest. The whole power set grew with each new fact
+    (2^16 and more per case); the first-failing rule is about order, which pairs and
+    triples decide."""
+    sets = {c for k in range(4) for c in itertools.combinations(names, k)}
+    sets |= {
+        tuple(n for n in names if n not in c)
+        for k in range(3)
+        for c in itertools.combinations(names, k)
+    }
+    rng = random.Random(21)
+    sets |= {tuple(n for n in names if rng.random() < 0.5) for _ in range(samples)}
+    return sorted(sets)
 
 
 def test_with_no_refusal_fact_the_request_asks_a_card() -> None:
@@ -350,23 +417,39 @@ def test_each_refusal_fact_alone_is_refused_with_its_code(
         assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
 
 
+@pytest.mark.parametrize("fact,code,words", file_refusals())
+def test_each_refusal_fact_alone_refuses_a_file_operation_with_its_code(
+    fact: str, code: Code, words: str
+) -> None:
+    channels = [c for c in CHANNELS if c is not Channel.SFTP]
+    for value in channels if fact == "channel" else [True]:
+        verdict = evaluate(*refused({fact: value}, file=True))
+        assert isinstance(verdict, Refusal) and verdict.code is code, (fact, value)
+        assert (CHANNEL_WORDS[value] if fact == "channel" else words) in verdict.message
+
+
+@pytest.mark.parametrize("file", [False, True], ids=["exec", "file"])
 @pytest.mark.parametrize("sharing", SHARING)
 @pytest.mark.parametrize("channel", [None, *CHANNELS])
 def test_the_first_failing_check_in_contract_order_decides(
-    channel: Channel | None, sharing: str
+    channel: Channel | None, sharing: str, file: bool
 ) -> None:
-    """Over every combination of the refusal facts (and each channel, and each kind of
+    """Over the sets of refusal facts `fact_sets` draws (and each channel, and each kind of
     subject and ControlMaster), the verdict is exactly the refusal of the first fact
     that fails, in the contract's order: in particular VAULT_LOCKED whenever the vault
     is locked, and a run's shared connection refused unless every process on its
     master was seen to be of the run."""
-    names = [name for name, _, _ in REFUSALS if name != "channel"]
-    order = order_for(sharing, channel)
-    for values in itertools.product([False, True], repeat=len(names)):
-        facts: dict[str, object] = {n: v for n, v in zip(names, values, strict=True) if v}
+    if file and channel is Channel.SFTP:
+        channel = None  # a file operation's own channel: no channel fact
+    if not file and channel is Channel.SFTP:
+        pytest.skip("an sftp channel without a file operation: the exec case's channel fact")
+    order = order_for(sharing, channel, file)
+    names = [name for name, _, _ in order if name != "channel"]
+    for chosen in fact_sets(names):
+        facts: dict[str, object] = dict.fromkeys(chosen, True)
         if channel is not None:
             facts["channel"] = channel
-        verdict = evaluate(*refused(facts, sharing))
+        verdict = evaluate(*refused(facts, sharing, file))
         first = next(((n, c, w) for n, c, w in order if n in facts), None)
         if first is None:
             assert isinstance(verdict, AskSession)

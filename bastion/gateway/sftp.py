@@ -1,0 +1,720 @@
+"""File transfer, brokered: the sftp subsystem served to agents, each operation carried
+to the target on an sftp channel of a pooled connection.
+
+Every operation the agent's client asks is one request through the service's request
+path (`Service.handle` with a `perform`): the gate decides it (`core/gate`, step 5 asks
+`core/files.check_file`), a card is raised where it says so, the intent
+(`dispatch_started`, durable and witnessed) is written with no await before the
+operation leaves, and its outcome is journaled -- path, size, sha256 and the target's
+SFTP status, never the bytes. One request is one open..close of a file, one listing,
+one stat, one remove, rename, mkdir, rmdir or setstat; reads journal as writes do.
+
+A per-command account's write is held here (up to `MAX_FILE_CARD_BYTES`) until the
+agent closes the file; the file card then shows its path, size, sha256 and mode, and
+only the approved bytes are written, whole, on the target. A session account's write
+streams: its path is decided at open, and what went through is journaled at close.
+
+Paths: the agent's path is made absolute against the home the target reported
+(`realpath(".")`, which every sftp client asks first), folded lexically, and the
+target's own resolution of it (of its parent, for a file that does not exist yet) is
+decided on too, right before the operation leaves (`gate.file_resolved`). Symlinks and
+hard links are never made. What remains: the target's resolution is read a moment
+before the operation leaves, so a process on the target that swaps a directory for a
+symlink in that moment can still redirect it (TOCTOU); bastion cannot close that from
+outside the target.
+
+Nothing here serves the gateway's own files: `Brokered` overrides every method of
+asyncssh's `SFTPServer` (a unit test checks that none is left to the base class), and
+its client relays reads and writes concurrently (`_Handler`): the agent's client
+decides how many it keeps in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import inspect
+import logging
+import posixpath
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import asyncssh
+from asyncssh.constants import (
+    FXF_APPEND,
+    FXF_CREAT,
+    FXF_READ,
+    FXF_TRUNC,
+    FXF_WRITE,
+    FXP_READ,
+    FXP_WRITE,
+)
+from asyncssh.packet import PacketDecodeError, SSHPacket
+from asyncssh.sftp import SFTPServerHandler
+
+from bastion.core.contract import Failure
+from bastion.core.defaults import MAX_FILE_CARD_BYTES
+from bastion.core.events import Outcome, Result
+from bastion.core.files import FileKind, FileOp, absolute, problem, sftp_status
+from bastion.core.gate import Channel, Dispatch, Request, file_resolved
+from bastion.core.policy import Account, ApprovalMode, Host, Policy
+from bastion.core.refusals import lost
+from bastion.gateway.intent import Intent
+from bastion.gateway.service import AgentConn, Service, new_request_id
+
+log = logging.getLogger("bastion.sftp")
+
+MAX_RELAYED = 64  # reads and writes of one channel in flight at once
+WRITE_CHUNK = 256 * 1024  # a held write goes to the target in pieces this size
+
+
+class SubsystemProcess(asyncssh.SSHServerProcess):  # type: ignore[type-arg]
+    """The agent's session: every subsystem request reaches the gateway's own process
+    factory (`agent_ssh._serve`), which serves `sftp` here and refuses the rest with
+    the agent-facing error; asyncssh's own sftp server (the gateway's files) never runs."""
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        return True
+
+    def session_started(self) -> None:
+        chan = self._chan
+        stdin = asyncssh.SSHReader[bytes](self, chan)  # type: ignore[arg-type]
+        stdout = asyncssh.SSHWriter[bytes](self, chan)  # type: ignore[arg-type]
+        stderr = asyncssh.SSHWriter[bytes](self, chan, asyncssh.EXTENDED_DATA_STDERR)  # type: ignore[arg-type]
+        handler = self._start_process(stdin, stdout, stderr)  # type: ignore[arg-type]
+        if inspect.isawaitable(handler):
+            assert self._conn is not None
+            self._conn.create_task(handler, stdin.logger)
+
+
+class _Handler(SFTPServerHandler):
+    """asyncssh's server handler answers one request at a time; this one relays reads
+    and writes concurrently (their offsets say where they go), and lets every other
+    request wait until those in flight are done, so a close follows its writes."""
+
+    def __init__(self, broker: Broker, end: Callable[[], None], *args: Any) -> None:
+        super().__init__(*args)
+        self._broker = broker
+        self._end = end
+        self._flight: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Semaphore(MAX_RELAYED)
+
+    async def recv_packets(self) -> None:
+        try:
+            while self._reader:
+                packet = await self.recv_packet()
+                pkttype = packet.get_byte()
+                pktid = packet.get_uint32()
+                self.log_received_packet(pkttype, pktid, packet)
+                if pkttype in (FXP_READ, FXP_WRITE):
+                    await self._room.acquire()
+                    task = asyncio.ensure_future(self._relay(pkttype, pktid, packet))
+                    self._flight.add(task)
+                    task.add_done_callback(self._flight.discard)
+                    continue
+                await self._drain()
+                await self._process_packet(pkttype, pktid, packet)
+        except PacketDecodeError as exc:
+            await self._drain()
+            await self._cleanup(asyncssh.SFTPBadMessage(str(exc)))
+        except EOFError:
+            await self._drain()
+            await self._cleanup(None)
+        except (OSError, asyncssh.Error) as exc:
+            await self._drain()
+            await self._cleanup(exc)
+
+    async def _relay(self, pkttype: int, pktid: int, packet: SSHPacket) -> None:
+        try:
+            await self._process_packet(pkttype, pktid, packet)
+        finally:
+            self._room.release()
+
+    async def _drain(self) -> None:
+        if self._flight:
+            await asyncio.gather(*list(self._flight), return_exceptions=True)
+
+    async def _cleanup(self, exc: Exception | None) -> None:
+        """Files still open now were cut off, not closed; the channel's exit status
+        goes out before asyncssh closes it (a client that gets none exits -1)."""
+        self._broker.ending = True
+        for file_obj in list(self._file_handles.values()):
+            with contextlib.suppress(Exception):
+                await self._server.close(file_obj)
+        self._file_handles = {}
+        self._end()
+        await super()._cleanup(exc)
+
+
+async def serve(
+    service: Service,
+    conn: AgentConn,
+    process: asyncssh.SSHServerProcess[bytes],
+    conversation: str | None,
+    ssh_user: str,
+    open_sftp: OpenSftp,
+) -> None:
+    """Serve one sftp channel to its end; every operation is a request of its own."""
+    broker = Broker(service, conn, conversation, ssh_user, process.stderr, open_sftp)
+    server = Brokered(process.channel, broker)  # type: ignore[arg-type]
+
+    def end() -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            process.exit(0)
+
+    handler = _Handler(broker, end, server, process.stdin, process.stdout, 3)
+    try:
+        await handler.run()
+    finally:
+        end()
+        await broker.close()
+
+
+OpenSftp = Callable[
+    [Host, Account, int], Awaitable[tuple[asyncssh.SFTPClient, Callable[[], Awaitable[None]]]]
+]
+
+
+def _err(code: int, reason: str) -> asyncssh.SFTPError:
+    return asyncssh.SFTPError(code, reason)
+
+
+@dataclass(eq=False)
+class _Lease:
+    """The sftp channel operations ride, for one vault epoch's connection."""
+
+    client: asyncssh.SFTPClient
+    give_back: Callable[[], Awaitable[None]]
+    epoch: int
+
+
+@dataclass(eq=False)
+class _Box:
+    """What one operation produced, for the agent's answer."""
+
+    value: Any = None
+    error: asyncssh.SFTPError | None = None
+
+
+class Broker:
+    """One sftp channel's state: who asks, the home the target reported, the channel
+    to the target, and each operation's trip through the request path."""
+
+    def __init__(
+        self,
+        service: Service,
+        conn: AgentConn,
+        conversation: str | None,
+        ssh_user: str,
+        stderr: asyncssh.SSHWriter[bytes],
+        open_sftp: OpenSftp,
+    ) -> None:
+        self.service = service
+        self.conn = conn
+        self.conversation = conversation
+        self.ssh_user = ssh_user
+        self.stderr = stderr
+        self.open_sftp = open_sftp
+        self.home: str | None = None
+        self.ending = False
+        self._lease: _Lease | None = None
+        self._lease_lock = asyncio.Lock()
+
+    # -- the target's channel ------------------------------------------------------------
+
+    async def client(self, host: Host, account: Account) -> asyncssh.SFTPClient:
+        """The sftp channel on a connection of the vault's current epoch: one opened
+        before the vault changed state is given back, never reused."""
+        epoch = self.service.vault.epoch
+        async with self._lease_lock:
+            lease = self._lease
+            if lease is not None and lease.epoch != epoch:
+                self._lease = None
+                await lease.give_back()
+                lease = None
+            if lease is None:
+                client, give_back = await self.open_sftp(host, account, epoch)
+                lease = self._lease = _Lease(client, give_back, epoch)
+            return lease.client
+
+    async def close(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await lease.give_back()
+
+    # -- paths --------------------------------------------------------------------------
+
+    def path(self, raw: bytes) -> str:
+        """The agent's path as the gate reads it: UTF-8, absolute, folded."""
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _err(asyncssh.FX_NO_SUCH_FILE, "bastion carries UTF-8 paths only") from None
+        if problem(text) is None:
+            made = absolute(text, self.home)
+            if made is None:
+                raise _err(
+                    asyncssh.FX_NO_SUCH_FILE,
+                    "a relative path before the home directory is known: "
+                    "ask realpath('.') first, or give an absolute path",
+                )
+            return made
+        return text  # the gate refuses it, with its words
+
+    async def resolved(self, client: asyncssh.SFTPClient, op: FileOp) -> tuple[str, ...]:
+        """Where the target says the operation's paths lead: each one's realpath, or its
+        parent's (a file to be created) joined with its name."""
+        if op.kind is FileKind.REALPATH:
+            return ()
+        out = []
+        for path in filter(None, (op.path, op.to)):
+            out.append(await _realpath(client, path))
+        return tuple(out)
+
+    # -- one request --------------------------------------------------------------------
+
+    async def request(
+        self,
+        op: FileOp,
+        carry: Callable[[asyncssh.SFTPClient], Awaitable[Any]],
+        moved: Callable[[], tuple[int, str] | None] = lambda: None,
+    ) -> Any:
+        """One operation through the request path; its value, or an SFTP error (with
+        the agent-facing JSON line on stderr when the gateway ended it)."""
+        op = replace(op, home=self.home)
+        req = Request(
+            new_request_id(),
+            self.conn.host,
+            self.conn.user,
+            b"",
+            self.conn.peer.subject.key,
+            None,
+            Channel.SFTP,
+            self.ssh_user or None,
+            file=op,
+        )
+        log.info("%s: sftp %s for %s@%s", req.request_id, op.summary(), req.user, req.host)
+        box = _Box()
+
+        async def perform(decided: Dispatch, intent: Intent) -> Result:
+            client = await self.client(decided.host, decided.account)
+            await intent.prepare()
+            try:
+                where = await self.resolved(client, op)
+            except asyncssh.SFTPError:
+                # Neither the path nor its parent resolves: nothing there for a link to
+                # lead astray; the operation gets the target's own answer (no such file).
+                where = ()
+            refused = file_resolved(decided.account, replace(op, resolved=where))
+            if refused is not None:
+                raise refused
+            intent()  # the gate's last word, the grant spent, the intent durable
+            try:
+                box.value = await carry(client)
+            except asyncssh.SFTPError as exc:
+                box.error = exc
+                return Result(Outcome.COMPLETED, exit_status=exc.code, message=str(exc.reason))
+            except (OSError, asyncssh.Error) as exc:
+                box.error = _err(asyncssh.FX_CONNECTION_LOST, "the target's connection failed")
+                return lost(decided.host.alias, f"the connection failed mid-operation: {exc}")
+            if self.ending and op.kind in (FileKind.READ, FileKind.WRITE):
+                box.error = _err(asyncssh.FX_CONNECTION_LOST, "the agent left")
+                return replace(
+                    lost(decided.host.alias, "the agent's connection ended with the file open"),
+                    transferred=moved(),
+                )
+            return Result(Outcome.COMPLETED, exit_status=0, transferred=moved())
+
+        result = await self.service.handle(self.conn, req, self.conversation, None, perform=perform)
+        if isinstance(result, Failure):
+            with contextlib.suppress(OSError, asyncssh.Error):
+                self.stderr.write(result.json_line())
+            raise _err(sftp_status(result.code.exit_status), result.message)
+        if box.error is not None:
+            raise box.error
+        return box.value
+
+
+async def _realpath(client: asyncssh.SFTPClient, path: str) -> str:
+    try:
+        return _text(await client.realpath(path))
+    except asyncssh.SFTPNoSuchFile:
+        parent, name = posixpath.split(path)
+        if not name or parent == path:
+            raise
+        return posixpath.join(_text(await client.realpath(parent)), name)
+
+
+def _text(name: str | bytes) -> str:
+    return name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Bytes that went through one open file, in order: their count and sha256 (for a
+    write whose pieces arrived out of order, the sha256 of none)."""
+
+    size: int = 0
+    sha: Any = field(default_factory=hashlib.sha256)
+    ordered: bool = True
+
+    def add(self, offset: int, data: bytes) -> None:
+        if offset != self.size:
+            self.ordered = False
+        if self.ordered:
+            self.sha.update(data)
+        self.size = max(self.size, offset + len(data))
+
+    def moved(self) -> tuple[int, str]:
+        return self.size, self.sha.hexdigest() if self.ordered else "out-of-order"
+
+
+@dataclass(eq=False)
+class _File:
+    """One file the agent opened: streamed through a target file (`remote`), or held
+    whole for a file card (`held`)."""
+
+    path: str
+    kind: FileKind
+    pflags: int
+    attrs: asyncssh.SFTPAttrs
+    remote: Any = None
+    held: bytearray | None = None
+    stream: _Stream = field(default_factory=_Stream)
+    opened: asyncio.Future[None] | None = None
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Task[Any] | None = None
+    refused: asyncssh.SFTPError | None = None
+
+
+def _mode(attrs: asyncssh.SFTPAttrs) -> int | None:
+    return None if attrs.permissions is None else attrs.permissions & 0o7777
+
+
+class Brokered(asyncssh.SFTPServer):
+    """The agent's sftp server: every method carries one operation to the target
+    through `Broker.request`, or refuses it; none touches the gateway's files."""
+
+    def __init__(self, chan: asyncssh.SSHServerChannel[bytes], broker: Broker) -> None:
+        super().__init__(chan)
+        self.broker = broker
+
+    # -- names ---------------------------------------------------------------------------
+
+    def format_user(self, uid: int | None) -> str:
+        return str(uid or 0)
+
+    def format_group(self, gid: int | None) -> str:
+        return str(gid or 0)
+
+    def format_longname(self, name: asyncssh.SFTPName) -> None:
+        return None  # the target's own longname, or none
+
+    def map_path(self, path: bytes) -> bytes:
+        return path
+
+    def reverse_map_path(self, path: bytes) -> bytes:
+        return path
+
+    async def realpath(self, path: bytes) -> bytes:
+        b = self.broker
+        text = path.decode("utf-8", "surrogateescape")
+        op = FileOp(FileKind.REALPATH, text if text else ".")
+
+        async def carry(client: asyncssh.SFTPClient) -> bytes:
+            return _bytes(await client.realpath(path or b"."))
+
+        found: bytes = await b.request(op, carry)
+        if b.home is None and path in (b".", b""):
+            b.home = found.decode("utf-8", "surrogateescape")
+        return found
+
+    # -- files ---------------------------------------------------------------------------
+
+    async def open(self, path: bytes, pflags: int, attrs: asyncssh.SFTPAttrs) -> _File:
+        b = self.broker
+        where = b.path(path)
+        writes = bool(pflags & (FXF_WRITE | FXF_APPEND | FXF_CREAT | FXF_TRUNC))
+        # Held whole (a per-command account's) unless it appends: the file is then written
+        # truncated, so it holds exactly the bytes the card shows.
+        whole = not pflags & FXF_APPEND
+        f = _File(where, FileKind.WRITE if writes else FileKind.READ, pflags, attrs)
+        if writes and self._held(where) and whole:
+            f.held = bytearray()  # decided at close, on its file card
+            return f
+        op = FileOp(f.kind, where, mode=_mode(attrs), whole=whole)
+        loop = asyncio.get_running_loop()
+        f.opened = loop.create_future()
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            f.remote = await client.open(where, pflags, attrs, encoding=None)
+            assert f.opened is not None
+            f.opened.set_result(None)
+            try:
+                await f.closing.wait()
+            finally:
+                await f.remote.close()
+
+        f.done = asyncio.ensure_future(b.request(op, carry, f.stream.moved))
+        await asyncio.wait({f.done, f.opened}, return_when=asyncio.FIRST_COMPLETED)
+        if not f.opened.done():
+            f.done.result()  # raises the request's SFTP error
+            raise _err(asyncssh.FX_FAILURE, "the file was not opened")
+        return f
+
+    def _held(self, path: str) -> bool:
+        """A per-command account's write: held whole for its file card (the gate decides
+        it at close; a policy that changes meanwhile is read again then)."""
+        policy = self.broker.service.policy.current()
+        host = policy.host(self.broker.conn.host) if isinstance(policy, Policy) else None
+        account = host.account(self.broker.conn.user) if host is not None else None
+        return account is not None and account.approval is ApprovalMode.PER_COMMAND
+
+    async def read(self, file_obj: object, offset: int, size: int) -> bytes:
+        f = self._file(file_obj)
+        if f.remote is None or not f.pflags & FXF_READ:
+            raise _err(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for reading")
+        try:
+            data: bytes = await f.remote.read(size, offset)
+        except (OSError, asyncssh.Error) as exc:
+            raise _as_sftp(exc) from None
+        f.stream.add(offset, data)
+        return data
+
+    async def write(self, file_obj: object, offset: int, data: bytes) -> int:
+        f = self._file(file_obj)
+        if f.kind is not FileKind.WRITE:
+            raise _err(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for writing")
+        if f.refused is not None:
+            raise f.refused
+        if f.held is not None:
+            end = offset + len(data)
+            if end > MAX_FILE_CARD_BYTES:
+                f.refused = await self._too_large(f, end)
+                raise f.refused
+            if end > len(f.held):
+                f.held.extend(bytes(end - len(f.held)))
+            f.held[offset:end] = data
+            return len(data)
+        f.stream.add(offset, data)
+        try:
+            await f.remote.write(data, offset)
+        except (OSError, asyncssh.Error) as exc:
+            raise _as_sftp(exc) from None
+        return len(data)
+
+    async def _too_large(self, f: _File, size: int) -> asyncssh.SFTPError:
+        """The gate's refusal of a held write past the card's bound, as it happens."""
+        f.held = bytearray()
+        op = FileOp(FileKind.WRITE, f.path, size=size, mode=_mode(f.attrs))
+        try:
+            await self.broker.request(op, _never)
+        except asyncssh.SFTPError as exc:
+            return exc
+        return _err(asyncssh.FX_FAILURE, "refused")  # pragma: no cover -- the gate refuses
+
+    async def close(self, file_obj: object) -> None:
+        f = self._file(file_obj)
+        if f.held is not None:
+            if f.refused is not None:
+                raise f.refused
+            if self.broker.ending:
+                f.held = None  # cut off before its close: no card, nothing written
+                return
+            await self._write_held(f)
+            return
+        f.closing.set()
+        if f.done is not None:
+            await f.done
+
+    async def _write_held(self, f: _File) -> None:
+        """The file card: the exact bytes' size and sha256, written whole if approved."""
+        data = bytes(f.held or b"")
+        f.held = None
+        digest = hashlib.sha256(data).hexdigest()
+        op = FileOp(FileKind.WRITE, f.path, size=len(data), sha256=digest, mode=_mode(f.attrs))
+        attrs = asyncssh.SFTPAttrs(permissions=f.attrs.permissions)
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            flags = FXF_WRITE | FXF_CREAT | FXF_TRUNC
+            async with client.open(f.path, flags, attrs, encoding=None) as remote:
+                await asyncio.gather(
+                    *(
+                        remote.write(data[at : at + WRITE_CHUNK], at)
+                        for at in range(0, len(data), WRITE_CHUNK)
+                    )
+                )
+
+        await self.broker.request(op, carry, lambda: (len(data), digest))
+
+    def _file(self, file_obj: object) -> _File:
+        if not isinstance(file_obj, _File):
+            raise _err(asyncssh.FX_FAILURE, "not an open file")
+        return file_obj
+
+    async def fstat(self, file_obj: object) -> asyncssh.SFTPAttrs:
+        f = self._file(file_obj)
+        if f.held is not None:
+            return asyncssh.SFTPAttrs(size=len(f.held), permissions=f.attrs.permissions)
+        try:
+            attrs: asyncssh.SFTPAttrs = await f.remote.stat()
+        except (OSError, asyncssh.Error) as exc:
+            raise _as_sftp(exc) from None
+        return attrs
+
+    async def fsetstat(self, file_obj: object, attrs: asyncssh.SFTPAttrs) -> None:
+        f = self._file(file_obj)
+        if f.held is not None:
+            # A held file is written with this mode and cut to this size (OpenSSH's scp
+            # and sftp truncate so); its times are the target's.
+            if attrs.permissions is not None:
+                f.attrs = asyncssh.SFTPAttrs(permissions=attrs.permissions)
+            if attrs.size is not None and attrs.size <= MAX_FILE_CARD_BYTES:
+                del f.held[attrs.size :]
+                f.held.extend(bytes(attrs.size - len(f.held)))
+            return
+        await self.setstat(f.path.encode("utf-8"), attrs)
+
+    async def fsync(self, file_obj: object) -> None:
+        f = self._file(file_obj)
+        if f.remote is not None:
+            with contextlib.suppress(asyncssh.SFTPOpUnsupported):
+                await f.remote.fsync()
+
+    # -- paths ---------------------------------------------------------------------------
+
+    async def _stat(self, path: bytes, follow: bool) -> asyncssh.SFTPAttrs:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> asyncssh.SFTPAttrs:
+            return await (client.stat(where) if follow else client.lstat(where))
+
+        result: asyncssh.SFTPAttrs = await b.request(FileOp(FileKind.STAT, where), carry)
+        return result
+
+    async def stat(self, path: bytes) -> asyncssh.SFTPAttrs:
+        return await self._stat(path, True)
+
+    async def lstat(self, path: bytes) -> asyncssh.SFTPAttrs:
+        return await self._stat(path, False)
+
+    async def readlink(self, path: bytes) -> bytes:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> bytes:
+            return _bytes(await client.readlink(where))
+
+        found: bytes = await b.request(FileOp(FileKind.STAT, where), carry)
+        return found
+
+    async def scandir(self, path: bytes) -> AsyncIterator[asyncssh.SFTPName]:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> list[asyncssh.SFTPName]:
+            return list(await client.readdir(where))
+
+        names: list[asyncssh.SFTPName] = await b.request(FileOp(FileKind.LIST, where), carry)
+        for name in names:
+            yield name
+
+    async def _mutate(
+        self, kind: FileKind, path: bytes, act: Callable[[asyncssh.SFTPClient, str], Any]
+    ) -> None:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            await act(client, where)
+
+        await b.request(FileOp(kind, where), carry)
+
+    async def remove(self, path: bytes) -> None:
+        await self._mutate(FileKind.REMOVE, path, lambda c, p: c.remove(p))
+
+    async def rmdir(self, path: bytes) -> None:
+        await self._mutate(FileKind.RMDIR, path, lambda c, p: c.rmdir(p))
+
+    async def mkdir(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            await client.mkdir(where, attrs)
+
+        await b.request(FileOp(FileKind.MKDIR, where, mode=_mode(attrs)), carry)
+
+    async def setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        b = self.broker
+        where = b.path(path)
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            await client.setstat(where, attrs)
+
+        await b.request(FileOp(FileKind.SETSTAT, where, mode=_mode(attrs)), carry)
+
+    async def lsetstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        await self.setstat(path, attrs)
+
+    async def rename(self, oldpath: bytes, newpath: bytes) -> None:
+        await self._rename(oldpath, newpath, posix=False)
+
+    async def posix_rename(self, oldpath: bytes, newpath: bytes) -> None:
+        await self._rename(oldpath, newpath, posix=True)
+
+    async def _rename(self, oldpath: bytes, newpath: bytes, posix: bool) -> None:
+        b = self.broker
+        old, new = b.path(oldpath), b.path(newpath)
+
+        async def carry(client: asyncssh.SFTPClient) -> None:
+            await (client.posix_rename(old, new) if posix else client.rename(old, new))
+
+        await b.request(FileOp(FileKind.RENAME, old, to=new), carry)
+
+    # -- never ---------------------------------------------------------------------------
+
+    def symlink(self, oldpath: bytes, newpath: bytes) -> None:
+        raise _err(asyncssh.FX_PERMISSION_DENIED, NO_LINKS)
+
+    def link(self, oldpath: bytes, newpath: bytes) -> None:
+        raise _err(asyncssh.FX_PERMISSION_DENIED, NO_LINKS)
+
+    def open56(self, *args: Any) -> None:
+        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion speaks SFTP version 3")
+
+    def lock(self, *args: Any) -> None:
+        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
+
+    def unlock(self, *args: Any) -> None:
+        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
+
+    def statvfs(self, path: bytes) -> None:
+        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
+
+    def fstatvfs(self, file_obj: object) -> None:
+        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
+
+    def exit(self) -> None:
+        return None
+
+
+NO_LINKS = "bastion does not create symlinks or hard links (a link could lead a path rule astray)"
+
+
+async def _never(client: asyncssh.SFTPClient) -> None:
+    raise AssertionError("the gate refuses a held write past its bound")
+
+
+def _bytes(name: str | bytes) -> bytes:
+    return name if isinstance(name, bytes) else name.encode("utf-8", "surrogateescape")
+
+
+def _as_sftp(exc: Exception) -> asyncssh.SFTPError:
+    if isinstance(exc, asyncssh.SFTPError):
+        return exc
+    return _err(asyncssh.FX_CONNECTION_LOST, f"the target's connection failed: {exc}")

@@ -1,0 +1,1 @@
+"""The clients tier: third-party clients through a real gateway to the real sshd."""
