@@ -6,7 +6,8 @@ its code), `opguard` (who may speak for the operator), `policy` (the policy
 model), `command` (a command read as the target's shell reads it), `subject`
 (who asks, and where the subject stands in a process chain), `binding` (what a
 yes is bound to), `certs` (what a per-command certificate says), `cards` (what
-a person is asked), `contract` (what an agent is told: codes, exit statuses,
+a person is asked), `waiting` (what an agent is shown while its card
+waits), `contract` (what an agent is told: codes, exit statuses,
 the `Refusal`), `errors` (the root exception), `events` (the journal's
 vocabulary and its folds), `display` (what a person is shown), `options`
 (options that run programs), `sharing` (what an agent is told of a shared ssh

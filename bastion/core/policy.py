@@ -54,6 +54,7 @@ _ACCOUNT_FIELDS = (
     "auth",
     "source_address",
     "cert_ttl",
+    "waiting_line",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -100,6 +101,8 @@ class Account:
     auth: Auth = Auth.KEY
     source_address: tuple[str, ...] = ()  # where the target sees the gateway come from
     cert_ttl: int = DEFAULT_TTL
+    # The agent's ssh shows a line while a card waits (`core/waiting`); false: silence.
+    waiting_line: bool = True
 
     @property
     def label(self) -> str:
@@ -257,6 +260,13 @@ def _host_key(value: object, where: str) -> str:
     return line
 
 
+def _flag(raw: dict[str, Any], field: str, default: bool, where: str) -> bool:
+    value = raw.get(field, default)
+    if not isinstance(value, bool):
+        fail(where, f'field "{field}" must be true or false, got {quote(value)}')
+    return value
+
+
 def _parse_account(raw: object, host: str, where: str) -> Account:
     if not isinstance(raw, dict):
         fail(where, "each account must be a table: [[hosts.<alias>.accounts]]")
@@ -294,6 +304,7 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         auth=auth,
         source_address=source_address,
         cert_ttl=ttl,
+        waiting_line=_flag(raw, "waiting_line", True, where),
     )
 
 
@@ -370,7 +381,7 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    return {
+    doc = {
         "user": a.user,
         "credential": a.credential,
         "approval": a.approval.value,
@@ -384,6 +395,9 @@ def _account_doc(a: Account) -> dict[str, Any]:
         if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
         else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
     )
+    if not a.waiting_line:  # only off is digested: an account left as it was keeps its digest
+        doc["waiting_line"] = False
+    return doc
 
 
 def entry_digest(host: Host, account: Account) -> str:
