@@ -99,7 +99,8 @@ def main(ctx: click.Context, home: Path | None) -> None:
 )
 @click.pass_context
 def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
-    """Create the home: vault, the gateway's SSH host key, policy directory."""
+    """Create the home: vault, the gateway's SSH host key, policy directory; say where the
+    example policy (installed with bastion) is."""
     import asyncssh
 
     from bastion import journal
