@@ -33,6 +33,7 @@ from bastion import isolation, opsock, sandbox
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import CA_LABEL_PREFIX, Auth
 from bastion.core.policy import Host, Policy, PolicyError
+from bastion.data import EXAMPLE_POLICY
 from bastion.home import Home
 from bastion.policy_files import load_policy_dir
 
@@ -304,13 +305,13 @@ def judge_policy(
     name = "policy"
     if policy is None:
         detail, _, fix = (error or "not loaded").partition("; fix with: ")
-        fix = fix or f"correct the file named above (see policies/example.toml) in {directory}"
+        fix = fix or f"correct the file named above (see {EXAMPLE_POLICY}) in {directory}"
         return Check(name, Status.FAIL, f"{detail}: the gateway refuses all positive work", fix)
     if gateway_error is not None:
         fix = "correct it; the gateway reloads the policy before each request"
         return Check(name, Status.FAIL, f"the running gateway refuses it: {gateway_error}", fix)
     if not policy.hosts:
-        fix = f"add a *.toml file to {directory} (see policies/example.toml)"
+        fix = f"add a *.toml file to {directory} (see {EXAMPLE_POLICY})"
         return Check(name, Status.WARN, f"no hosts in {directory}: agents can reach nothing", fix)
     have, accounts = set(labels or ()), [(h, a) for h in policy.hosts.values() for a in h.accounts]
     for host, a in accounts:

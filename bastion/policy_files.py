@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core.policy import Policy, PolicyError, build_policy, fail
+from bastion.data import EXAMPLE_POLICY
 
 # ctime too: unlike mtime it cannot be set back with utime(), so no edit can hide.
 _STAMP_FIELDS = ("st_dev", "st_ino", "st_mtime_ns", "st_ctime_ns", "st_size", "st_mode", "st_uid")
@@ -66,7 +67,7 @@ def load_policy_dir(directory: Path) -> Policy:
             str(directory),
             f"policy directory does not exist; create it with: "
             f"mkdir -p -m 700 {directory} and add *.toml files "
-            f"(see policies/example.toml)",
+            f"(see {EXAMPLE_POLICY})",
         )
     except OSError as exc:
         fail(str(directory), f"cannot read policy directory: {exc.strerror or exc}")

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.harness import Bastion
+from tests.harness import Bastion, after_waiting
 
 Scenario = Callable[[Bastion, Path], None]
 
@@ -25,7 +25,7 @@ def output_stderr_binary_stdin_and_exit_status_pass_through(
     card = bastion.approve_next()
     assert card["kind"] == "session" and card["subject"]["pid"] == agent.pid
     r = agent.wait(rid)
-    assert (r.rc, r.stdout, r.stderr) == (7, b"out\n", "err\n")
+    assert (r.rc, r.stdout, after_waiting(r.stderr, card)) == (7, b"out\n", "err\n")
 
     blob = tmp_path / "blob"
     blob.write_bytes(os.urandom(3 * 1024 * 1024 + 17))

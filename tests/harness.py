@@ -178,6 +178,18 @@ class Agent:
         self.proc.wait(10)
 
 
+WAITING_LINE = "bastion: waiting for approval of card "
+
+
+def after_waiting(stderr: str, *cards: dict[str, Any]) -> str:
+    """An agent's stderr less the line the gateway wrote as each of `cards` was raised
+    (`core/waiting`), asserted there, first and in order: what is left came from the target."""
+    lines = stderr.splitlines(keepends=True)
+    for i, card in enumerate(cards):
+        assert i < len(lines) and lines[i].startswith(f"{WAITING_LINE}{card['id']} "), stderr
+    return "".join(lines[len(cards) :])
+
+
 def policy_toml(
     sshd: SshdInfo,
     host_key: str | None = None,

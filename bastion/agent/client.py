@@ -223,6 +223,7 @@ def ssh_argv(config: Path, cmd: Command, action_key: str) -> list[str]:
     `opt_terminated`): without it a command `-oProxyCommand=...` or `-F FILE` would
     run a local command. `-T`: no pty, so no escape character reads `stdin` either."""
     env = f"BASTION_ACTION_KEY={action_key}" + (" BASTION_ACK_UNKNOWN=1" if cmd.ack_unknown else "")
+    env += " BASTION_WAIT_LINE=0"  # MCP tells of a waiting card as progress: not twice
     argv = ["ssh", "-F", str(config), "-T", "-o", f"SetEnv={env}"]
     if cmd.user is not None:
         argv += ["-l", cmd.user]

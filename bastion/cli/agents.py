@@ -19,6 +19,7 @@ import click
 
 from bastion.agent import proxy as proxy_mod
 from bastion.cli.common import HOST_KEY_ALIAS, fail, home_of
+from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.home import Home
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ def ssh_config_text(
         "    ControlMaster no",
         "    ControlPath none",
         "    ServerAliveInterval 30",
+        f"    SendEnv {WAIT_LINE_ENV}",
     ]
     return "\n".join(lines) + "\n"
 

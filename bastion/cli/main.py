@@ -32,6 +32,7 @@ from bastion.cli.common import (
     save_to_keyring,
 )
 from bastion.core.display import describe_run, escape_text
+from bastion.data import EXAMPLE_POLICY
 from bastion.home import default_home
 
 # The commands that live in modules of their own, imported only when named: `bastion run`
@@ -98,7 +99,8 @@ def main(ctx: click.Context, home: Path | None) -> None:
 )
 @click.pass_context
 def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
-    """Create the home: vault, the gateway's SSH host key, policy directory."""
+    """Create the home: vault, the gateway's SSH host key, policy directory; say where the
+    example policy (installed with bastion) is."""
     import asyncssh
 
     from bastion import journal
@@ -131,7 +133,8 @@ def init(ctx: click.Context, passphrase_stdin: bool, use_keyring: bool) -> None:
     click.echo(
         f"Initialised {home.root}\n"
         f"  vault:     {home.vault} (locked)\n"
-        f"  policies:  {home.policies}/ (empty: add *.toml files, see policies/example.toml)\n"
+        f"  policies:  {home.policies}/ (empty: add *.toml files)\n"
+        f"  example:   {EXAMPLE_POLICY} (the fields explained: copy it there, edit it)\n"
         "Next: `bastion key generate LABEL`, write a policy, `bastion daemon`, "
         "`bastion unlock`, `bastion ssh-config > agent_ssh_config`."
     )

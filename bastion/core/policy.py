@@ -56,6 +56,7 @@ _ACCOUNT_FIELDS = (
     "source_address",
     "cert_ttl",
     "files",
+    "waiting_line",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -103,6 +104,8 @@ class Account:
     source_address: tuple[str, ...] = ()  # where the target sees the gateway come from
     cert_ttl: int = DEFAULT_TTL
     files: FileRules | None = None  # the `files` table as written; None: not written
+    # The agent's ssh shows a line while a card waits (`core/waiting`); false: silence.
+    waiting_line: bool = True
 
     @property
     def label(self) -> str:
@@ -272,6 +275,13 @@ def _host_key(value: object, where: str) -> str:
     return line
 
 
+def _flag(raw: dict[str, Any], field: str, default: bool, where: str) -> bool:
+    value = raw.get(field, default)
+    if not isinstance(value, bool):
+        fail(where, f'field "{field}" must be true or false, got {quote(value)}')
+    return value
+
+
 def _parse_account(raw: object, host: str, where: str) -> Account:
     if not isinstance(raw, dict):
         fail(where, "each account must be a table: [[hosts.<alias>.accounts]]")
@@ -311,6 +321,7 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         source_address=source_address,
         cert_ttl=ttl,
         files=files,
+        waiting_line=_flag(raw, "waiting_line", True, where),
     )
 
 
@@ -403,7 +414,7 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    return (
+    doc = (
         {
             "user": a.user,
             "credential": a.credential,
@@ -421,6 +432,9 @@ def _account_doc(a: Account) -> dict[str, Any]:
         )
         | ({"files": a.files.doc()} if a.files is not None else {})
     )
+    if not a.waiting_line:  # only off is digested: an account left as it was keeps its digest
+        doc["waiting_line"] = False
+    return doc
 
 
 def entry_digest(host: Host, account: Account) -> str:

@@ -22,9 +22,9 @@ from string import Template
 import psutil
 
 from bastion.core.errors import BastionError
+from bastion.data import SSHD_TEMPLATE
 
-#: Overrides the template location, e.g. when this module runs from an installed package
-#: that does not ship the fixtures directory.
+#: Overrides the template location (the package's own copy is the default).
 TEMPLATE_ENV = "BASTION_SSHD_TEMPLATE"
 
 LOOPBACK = "127.0.0.1"
@@ -34,7 +34,6 @@ LOOPBACK = "127.0.0.1"
 PRIVSEP_DIR = Path("/run/sshd")
 PRIVSEP_USER = "sshd"
 
-_TEMPLATE_NAME = "sshd_config.template"
 # Bounds for the helper commands; none of them should take more than a fraction of this.
 TOOL_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
@@ -79,26 +78,19 @@ def end_processes(procs: list[psutil.Process]) -> None:
 
 
 def find_template() -> Path:
-    """Locate the sshd_config template.
-
-    The env var wins so an installed copy of this module (``bastion demo``) can be pointed
-    at a checkout; then a copy next to this file (how it would be shipped as package
-    data); then ``../fixtures/sshd`` relative to this file, which holds both for
-    ``tests/`` and for ``bastion/devtools/`` in a source checkout.
-    """
+    """Locate the sshd_config template: the env var's file, else the package's own
+    (`bastion/data`, carried by a wheel as by a checkout)."""
     override = os.environ.get(TEMPLATE_ENV)
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"{TEMPLATE_ENV}={override!r} is not a file")
         return path
-    here = Path(__file__).resolve().parent
-    candidates = [here / _TEMPLATE_NAME, here.parents[1] / "fixtures" / "sshd" / _TEMPLATE_NAME]
-    for path in candidates:
-        if path.is_file():
-            return path
-    tried = ", ".join(str(p) for p in candidates)
-    raise FileNotFoundError(f"sshd config template not found (tried {tried}); set {TEMPLATE_ENV}")
+    if not SSHD_TEMPLATE.is_file():
+        raise FileNotFoundError(
+            f"sshd config template not found at {SSHD_TEMPLATE}; set {TEMPLATE_ENV}"
+        )
+    return SSHD_TEMPLATE
 
 
 def sshd_available(sshd_path: str = "/usr/sbin/sshd") -> str | None:

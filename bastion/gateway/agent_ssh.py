@@ -59,6 +59,7 @@ from bastion.core.events import Outcome, bound_action
 from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer, SubjectKind
+from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.gateway import procs
 from bastion.gateway.admission import NoSlot
 from bastion.gateway.agent_channel import AgentChannel
@@ -490,6 +491,8 @@ class _AgentSSH(asyncssh.SSHServer):
             streams,
             ack_unknown=action is not None and env.get("BASTION_ACK_UNKNOWN") == "1",
             opened=opened,
+            tell=process.stderr.write,
+            wait_line=env.get(WAIT_LINE_ENV),
         )
         if isinstance(result, Failure):
             _finish_failure(process, result)

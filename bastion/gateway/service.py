@@ -62,6 +62,7 @@ from bastion.core.gate import (
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import not_started
 from bastion.core.subject import Peer, Subject, SubjectKind
+from bastion.core.waiting import waiting_line, wanted
 from bastion.gateway.actions import ActionKeys
 from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.approvals import ApprovalBook
@@ -306,12 +307,16 @@ class Service:
         ack_unknown: bool = False,
         opened: MuxView | None = None,
         perform: Perform | None = None,
+        tell: Callable[[bytes], None] | None = None,
+        wait_line: str | None = None,
     ) -> Result | Failure:
         """The whole life of one exec request; every ending is journaled.
 
         The subject is read again first: identified at connect, it may have exec'd
         into another program since, and that program is not what was approved.
-        `opened`: who was connected to a run's ControlMaster as the channel opened."""
+        `opened`: who was connected to a run's ControlMaster as the channel opened.
+        `tell` writes to the agent's stderr, `wait_line` is what the agent set in
+        `BASTION_WAIT_LINE`: together, the waiting line of each card (`core/waiting`)."""
         fresh = self.refresh(conn.peer.subject)
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
@@ -319,7 +324,7 @@ class Service:
         arrival = self.arrive(conn, req, conversation, opened)
         if ack_unknown and req.action is not None:
             self.acknowledge(conn, req, conversation, arrival)
-        decided = await self.authorize(conn, req, conversation, arrival, streams)
+        decided = await self.authorize(conn, req, conversation, arrival, streams, tell, wait_line)
         if isinstance(decided, Failure):
             return self._denied(conn, req, decided)
         req, streams = decided.request, decided.streams
@@ -389,6 +394,8 @@ class Service:
         conversation: str | None,
         arrival: Arrival | None = None,
         streams: Any = None,
+        tell: Callable[[bytes], None] | None = None,
+        wait_line: str | None = None,
     ) -> Decided | Failure:
         command_card: str | None = None
         reason: EndReason | None = None
@@ -422,7 +429,8 @@ class Service:
                 now,
                 self.approval_timeout,
             )
-            answer = await self._ask(conn, card)
+            told = tell if wanted(verdict.account.waiting_line, wait_line) else None
+            answer = await self._ask(conn, card, told)
             if answer is not CardEnding.APPROVED:
                 target = f"{card.binding.user}@{card.host}"
                 refused = unanswered(card.kind, answer, target, reason, self.approval_timeout)
@@ -431,11 +439,16 @@ class Service:
                 command_card = card.id
         return rounds_exhausted().failure(req.request_id)
 
-    async def _ask(self, conn: AgentConn, card: Card) -> CardEnding:
-        """Raise a card and wait for its answer, its withdrawal, or the timeout."""
+    async def _ask(
+        self, conn: AgentConn, card: Card, tell: Callable[[bytes], None] | None = None
+    ) -> CardEnding:
+        """Raise a card and wait for its answer, its withdrawal, or the timeout; `tell`
+        the agent so, at once, when it asked to be told."""
         fut = self.book.open_card(card)
         conn.cards.add(card.id)
         self.watch(card.subject)
+        if tell is not None:
+            _tell(tell, waiting_line(card), card.request_id)
         log.info(
             "%s: %s card %s raised for %s@%s (pid %d)%s",
             card.request_id,
@@ -570,3 +583,12 @@ class Service:
     ) -> None:
         self.on_sessions_changed()
         self.recorder.session(grant, subject, reason)
+
+
+def _tell(write: Callable[[bytes], None], line: bytes, request_id: str) -> None:
+    """A sign of life never fails the request: the channel's writer buffers without
+    waiting (no drain), and an agent that is gone has its card withdrawn anyway."""
+    try:
+        write(line)
+    except Exception as exc:
+        log.info("%s: could not show the waiting line: %s", request_id, exc)

@@ -158,6 +158,7 @@ async def serve(
 ) -> None:
     """Serve one sftp channel to its end; every operation is a request of its own."""
     broker = Broker(service, conn, conversation, ssh_user, process.stderr, open_sftp)
+    broker.wait_line = process.env.get("BASTION_WAIT_LINE")  # a file card's waiting line
     server = Brokered(process.channel, broker)  # type: ignore[arg-type]
 
     def end() -> None:
@@ -217,6 +218,7 @@ class Broker:
         self.ssh_user = ssh_user
         self.stderr = stderr
         self.open_sftp = open_sftp
+        self.wait_line: str | None = None  # the agent's BASTION_WAIT_LINE, if it sent one
         self.home: str | None = None
         self.ending = False
         self._lease: _Lease | None = None
@@ -328,7 +330,15 @@ class Broker:
                 )
             return Result(Outcome.COMPLETED, exit_status=0, transferred=moved())
 
-        result = await self.service.handle(self.conn, req, self.conversation, None, perform=perform)
+        result = await self.service.handle(
+            self.conn,
+            req,
+            self.conversation,
+            None,
+            perform=perform,
+            tell=self.stderr.write,
+            wait_line=self.wait_line,
+        )
         if isinstance(result, Failure):
             with contextlib.suppress(OSError, asyncssh.Error):
                 self.stderr.write(result.json_line())

@@ -15,7 +15,7 @@ import pytest
 
 from fixtures.sshd.podman import Container
 from tests import exec_scenarios as scenarios
-from tests.harness import Bastion
+from tests.harness import Bastion, after_waiting
 
 pytestmark = pytest.mark.container
 
@@ -38,9 +38,9 @@ def test_commands_run_inside_the_container(
     rid = agent.start(
         f"echo {token} > {marker} && cat /proc/1/comm && echo $BASTION_SSHD_FIXTURE && id -un"
     )
-    bastion.approve_next()
+    card = bastion.approve_next()
     r = agent.wait(rid)
-    assert (r.rc, r.stdout, r.stderr) == (0, b"sshd\ncontainer\nroot\n", "")
+    assert (r.rc, r.stdout, after_waiting(r.stderr, card)) == (0, b"sshd\ncontainer\nroot\n", "")
 
     # The file exists in the container's filesystem, read back without ssh or bastion...
     seen = container.exec("cat", marker)

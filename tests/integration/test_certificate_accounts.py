@@ -20,7 +20,14 @@ from bastion.ca import vault_ca
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates, sshd_available
 from bastion.ops import unlocked
 from bastion.vault import Vault
-from tests.harness import PASSPHRASE, Bastion, journal_frozen, make_bastion, policy_toml
+from tests.harness import (
+    PASSPHRASE,
+    Bastion,
+    after_waiting,
+    journal_frozen,
+    make_bastion,
+    policy_toml,
+)
 
 CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}
 
@@ -72,7 +79,7 @@ def test_an_approved_command_runs_with_exact_output_and_sshd_logs_its_request_an
     card = b.approve_next()
     assert card["kind"] == "session"
     first = agent.wait(rid)
-    assert (first.rc, first.stdout, first.stderr) == (3, b"out put\n", "err\n")
+    assert (first.rc, first.stdout, after_waiting(first.stderr, card)) == (3, b"out put\n", "err\n")
     second = agent.run("echo second")
     assert (second.rc, second.stdout) == (0, b"second\n")
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from bastion.data import EXAMPLE_POLICY
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, find_template
 from tests.harness import USER, Agent, Bastion, make_bastion
 
@@ -161,9 +162,7 @@ def test_every_bypass_raises_a_card_runs_nothing_and_check_command_agrees(
 def test_plain_commands_flow_under_the_example_rules(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> None:
-    example = tomllib.loads(
-        (Path(__file__).resolve().parents[2] / "policies" / "example.toml").read_text()
-    )
+    example = tomllib.loads(EXAMPLE_POLICY.read_text())
     web1 = next(a for a in example["hosts"]["web1"]["accounts"] if a["user"] == "deploy")
     extra = {k: json.dumps(web1[k]) for k in ("allow", "deny", "preapproved")}
     b = make_bastion(tmp_path, sshd, client_key[0], policy=two_accounts(sshd, ["true"], **extra))
@@ -273,9 +272,7 @@ def test_an_allow_rule_cannot_be_met_with_a_word_zsh_expands(
 def example_accounts() -> list[tuple[str, dict[str, Any]]]:
     """Every account of policies/example.toml as its own host alias, logging in as
     the test user on the test sshd (its rules, approval and shell mode unchanged)."""
-    doc = tomllib.loads(
-        (Path(__file__).resolve().parents[2] / "policies" / "example.toml").read_text()
-    )
+    doc = tomllib.loads(EXAMPLE_POLICY.read_text())
     out = []
     for host, spec in doc["hosts"].items():
         for account in spec["accounts"]:

@@ -38,6 +38,7 @@ from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_availab
 from tests.harness import (
     PASSPHRASE,
     Bastion,
+    after_waiting,
     make_bastion,
     policy_toml,
     ssh_agent,
@@ -126,11 +127,12 @@ def test_an_approved_command_runs_and_openbao_audits_one_signing_per_request(
     b = team.b
     agent = b.agent()
     rid = agent.start("printf 'out put\\n'; printf 'err\\n' >&2; exit 3")
-    assert b.approve_next()["kind"] == "session"
+    card = b.approve_next()
+    assert card["kind"] == "session"
     first = agent.wait(rid)
     second = agent.run("echo second")
 
-    assert (first.rc, first.stdout, first.stderr) == (3, b"out put\n", "err\n")
+    assert (first.rc, first.stdout, after_waiting(first.stderr, card)) == (3, b"out put\n", "err\n")
     assert (second.rc, second.stdout) == (0, b"second\n")
     rows = team.rows()
     assert [r["outcome"] for r in rows] == ["completed", "completed"]

@@ -313,7 +313,7 @@ def test_sshd_available_names_the_fix() -> None:
 def test_find_template_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     default = find_template()
     assert default.name == "sshd_config.template"
-    assert default.parent.parts[-2:] == ("fixtures", "sshd")
+    assert default.parent.parts[-2:] == ("bastion", "data")  # the package's: a wheel has it
 
     custom = tmp_path / "custom.template"
     custom.write_text(default.read_text())

@@ -99,7 +99,8 @@ def test_argv_ends_the_options_before_the_destination() -> None:
     cmd = Command("web1", "-rf x; id", user="deploy", ack_unknown=True)
     argv = ssh_argv(Path("/c"), cmd, "k1")
     assert argv == [
-        "ssh", "-F", "/c", "-T", "-o", "SetEnv=BASTION_ACTION_KEY=k1 BASTION_ACK_UNKNOWN=1",
+        "ssh", "-F", "/c", "-T", "-o",
+        "SetEnv=BASTION_ACTION_KEY=k1 BASTION_ACK_UNKNOWN=1 BASTION_WAIT_LINE=0",
         "-l", "deploy", "--", "web1", "-rf x; id",
     ]  # fmt: skip
 

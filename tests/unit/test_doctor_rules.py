@@ -17,6 +17,7 @@ from bastion import doctor
 from bastion.cli.doctor import line, render
 from bastion.config import Config, WitnessConfig
 from bastion.core.policy import build_policy, host_key_fingerprint
+from bastion.data import EXAMPLE_POLICY
 from bastion.doctor import Check, Context, Status
 from bastion.home import Home
 from bastion.isolation import Isolation
@@ -177,7 +178,7 @@ def test_the_policy_verdict() -> None:
     assert refused.status is Status.FAIL and refused.fix == "chmod go-w /p/a.toml"
     assert refused.detail.startswith(error) and "fix with" not in refused.detail
     syntax = doctor.judge_policy(d, None, "/p/a.toml: invalid TOML", None)
-    assert syntax.status is Status.FAIL and "policies/example.toml" in (syntax.fix or "")
+    assert syntax.status is Status.FAIL and str(EXAMPLE_POLICY) in (syntax.fix or "")
     stale = doctor.judge_policy(d, policy, None, ["deploy-key"], "/p/b.toml: bad")
     assert stale.status is Status.FAIL and "the running gateway refuses it" in stale.detail
     empty = doctor.judge_policy(d, build_policy([]), None, [])

@@ -23,9 +23,9 @@ from bastion.core.policy import (
     parse_policy_text,
     preapproval,
 )
+from bastion.data import EXAMPLE_POLICY
 from bastion.policy_files import PolicyStore, load_policy_dir
 
-REPO = Path(__file__).resolve().parents[2]
 KEY1 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGTn3rMnQ4caK5KXXDWfLOi0KRSSxWda2/bv8ow7cg06 root@web1"
 KEY2 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID/S3ghEp/P2hE0Hj28lsUaWTDSfIg4C/2VA1mNVQ4MM"
 FP1 = "SHA256:bhfQdHUaZKgLtjf0k3vpIq8VoLkzU/z1Sa9MldJ5Tbw"  # ssh-keygen -lf of KEY1
@@ -117,7 +117,7 @@ def test_valid_policy_loads(pdir: Path) -> None:
 
 def test_shipped_example_is_valid(pdir: Path) -> None:
     # Copied (not edited) so a checkout's umask cannot make the file look unsafe.
-    write(pdir, "example.toml", (REPO / "policies" / "example.toml").read_text())
+    write(pdir, "example.toml", EXAMPLE_POLICY.read_text())
     pol = load_policy_dir(pdir)
     assert pol.hosts and all(h.accounts for h in pol.hosts.values())
 
