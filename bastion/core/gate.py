@@ -20,9 +20,12 @@ journal and the witness (`World`). The checks run in the contract's order
 2. the request's shape (`intake`): a channel that is not one exec (a shell, a
    subsystem, a later channel on a used connection), an ssh user that is not
    the proxy's, a connection other processes could share, a command that
-   cannot be run exactly as decided. A shared connection (a later channel, a
-   ControlMaster) passes only when its subject is a registered run and every
-   process connected to the master was seen to be a process of that run;
+   cannot be run exactly as decided. A later channel passes when the client
+   that opened the connection was seen to be the only one that can send
+   through it (one process, several commands: paramiko, fabric); a shared
+   connection (a later channel, a ControlMaster) passes only when its subject
+   is a registered run and every process connected to the master was seen to
+   be a process of that run;
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
 5. the policy: unavailable, host, account, command, a certificate nobody can
@@ -167,6 +170,10 @@ class World:
     witness_refusing: str | None = None  # why the witness takes no new work, or None
     cards_waiting: int = 0  # cards of the subject's tenant waiting for an operator
     tenant: str = ""  # that tenant, as the agent is told of it
+    # Of a later exec channel: nothing but the client that opened the connection can send
+    # through it -- seen alive and read, no OpenSSH ControlMaster nor gone to the
+    # background, listening nowhere (True); it can (False); it could not be read (None).
+    own_connection: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -330,7 +337,7 @@ def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
     if req.channel is Channel.SHARED:
-        refused = not_shareable(world, ONE_COMMAND)
+        refused = not_shareable(world, ONE_COMMAND, later_channel=True)
         if refused is not None:
             return refused
     elif req.channel is not Channel.EXEC:
@@ -354,11 +361,15 @@ def unsupported(req: Request, world: World) -> str | None:
     return None
 
 
-def not_shareable(world: World, words: str) -> str | None:
+def not_shareable(world: World, words: str, later_channel: bool = False) -> str | None:
     """Why a connection other processes could send through may not carry this request,
-    or None: only a registered run's, and only while every process connected to its
-    ControlMaster is one of the run's (anything unseen refuses). `words`: what a
+    or None: a later channel (`later_channel`) of a connection whose client was seen to
+    be the only one that can send through it (paramiko, fabric: one process, several
+    commands); else only a registered run's, and only while every process connected to
+    its ControlMaster is one of the run's (anything unseen refuses). `words`: what a
     subject that is not a run is told."""
+    if later_channel and world.own_connection is True and not world.shared_connection:
+        return None
     if not world.subject_is_run:
         return words
     if world.mux_clients_in_run is None:
