@@ -59,6 +59,7 @@ from bastion.gateway.export import export_stream
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
+from bastion.gateway.senders import own_connection
 from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
@@ -549,69 +550,6 @@ def rides_a_master(peer: Peer) -> bool:
     if serves_control_socket(ssh.pid, holds_our_connection=True) is True:
         return True
     return any(serves_control_socket(pid) is True for pid in children(ssh.pid))
-
-
-def own_connection(peer: Peer) -> bool | None:
-    """Can nothing but the client that opened this agent connection send through it?
-    Asked of a later exec channel (paramiko and fabric run each command on a channel of
-    one connection). True only when it is seen: an OpenSSH ssh that is alive and
-    neither it nor a child of it listens on a unix socket (no ControlMaster, no
-    ControlPersist in the background); another client (no ssh in the chain) whose
-    connecting process and the one it relays for (`bastion proxy` and its parent, as
-    paramiko's ProxyCommand runs it) are both alive and listen on no unix or TCP
-    socket. False when one is seen to serve others (or went to the background); None
-    when one could not be read (another uid, a gateway that is not root).
-
-    An observation of /proc, nothing more: the gate decides (`gate.not_shareable`)."""
-    ssh = ssh_client_of(peer)
-    if ssh is not None:
-        if not alive(ssh.pid, ssh.start_time):
-            return False
-        seen = [serves_control_socket(ssh.pid, holds_our_connection=True)]
-        seen += [serves_control_socket(pid) for pid in children(ssh.pid)]
-    else:
-        holders = peer.chain[:2]
-        if len(holders) < 2:
-            return None  # no parent seen: who relays for the connecting process is unknown
-        if not all(alive(p.pid, p.start_time) for p in holders):
-            return False
-        seen = [_listens(p.pid, holds_our_connection=i == 0) for i, p in enumerate(holders)]
-    if True in seen:
-        return False
-    return None if None in seen else True
-
-
-def _listens(pid: int, holds_our_connection: bool = False) -> bool | None:
-    """Does this process listen on a unix or TCP socket (None: unreadable)?"""
-    unix = serves_control_socket(pid, holds_our_connection)
-    if unix is not False:
-        return unix
-    try:
-        inodes = {
-            target[len("socket:[") : -1]
-            for fd in os.listdir(f"/proc/{pid}/fd")
-            if (target := _readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:[")
-        }
-    except OSError:
-        return None
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as rows:
-            next(rows)  # sl local_address rem_address st ... inode
-            for row in rows:
-                fields = row.split()
-                if len(fields) > 9 and fields[3] == _TCP_LISTEN and fields[9] in inodes:
-                    return True
-    return False
-
-
-_TCP_LISTEN = "0A"
-
-
-def _readlink(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
 
 
 def harden_process() -> list[str]:
