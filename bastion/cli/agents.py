@@ -113,7 +113,7 @@ def ssh_config_text(
         "    ProxyUseFdpass yes",
         f"    HostKeyAlias {HOST_KEY_ALIAS}",
         f"    KnownHostsCommand /bin/echo {' '.join(pinned)}",
-        f"    UserKnownHostsFile {shlex.quote(known)}",
+        f"    UserKnownHostsFile {_config_word(known)}",
         "    GlobalKnownHostsFile /dev/null",
         "    StrictHostKeyChecking yes",
         "    UpdateHostKeys no",
@@ -134,6 +134,13 @@ def ssh_config_text(
         "    ServerAliveInterval 30",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _config_word(word: str) -> str:
+    """One ssh_config argument: double-quoted where it holds a space (ssh_config(5))."""
+    if '"' in word or any(c in word for c in "\r\n"):
+        raise ValueError(f"{word!r} cannot be written into an ssh_config")
+    return f'"{word}"' if any(c.isspace() for c in word) else word
 
 
 def known_hosts_text(aliases: Sequence[str], pinned: list[str]) -> str:
@@ -184,7 +191,7 @@ def pinned_host_key(home: Home) -> list[str]:
     default=None,
     metavar="EXPR",
     help="Send what this ssh_config `Match` expression selects through bastion, e.g. "
-    "--match 'host *.prod exec \"test -n $BASTION_RUN\"'. Instead of --policy-hosts.",
+    "--match 'host *.prod,web1'. Instead of --policy-hosts.",
 )
 @click.option(
     "--known-hosts",
@@ -219,6 +226,8 @@ def ssh_config(
         fail("give --policy-hosts or --match, not both")
     if match is not None and (not match.strip() or "\n" in match or "\r" in match):
         fail("--match takes one line of ssh_config Match criteria")
+    if known_hosts is not None and ('"' in str(known_hosts) or "\n" in str(known_hosts)):
+        fail("--known-hosts: give a path without quotes or newlines")
     scope = Scope(policy_hosts, match, known_hosts)
     home = home_of(ctx)
     text = home_ssh_config(home, policies, agent_socket, python, proxy_path, scope=scope)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Agent, Bastion, master_pid
+from tests.harness import Agent, Bastion, master_pid, ssh_agent
 
 # One paramiko client, as an agent writes it: the ProxyCommand of the ssh config bastion
 # printed, no key, no password, the defaults -- and the host key checked against the
@@ -221,3 +221,20 @@ def test_fabric_put_writes_the_exact_bytes(
     bastion.approve_next()
     answer(in_run.agent, rid)
     assert remote.read_bytes() == local.read_bytes()
+
+
+def test_paramiko_outside_a_run_uses_the_users_agent(
+    bastion: Bastion, client_files: Any, tmp_path: Path
+) -> None:
+    """Without `bastion run` nothing is hidden: paramiko tries the user's own agent's key
+    (the gateway asks for none and the key identifies nothing), and its two commands on
+    one connection both run."""
+    files = (str(client_files.config), str(client_files.known_hosts))
+    with ssh_agent(tmp_path) as sock:
+        agent = bastion.agent(SSH_AUTH_SOCK=str(sock))
+        rid = start(agent, tmp_path, PARAMIKO, *files, "web1", "echo a", "echo b")
+        bastion.approve_next()
+        got = answer(agent, rid)
+    assert got["agent"] == str(sock)
+    assert results(got) == [(0, b"a\n", ""), (0, b"b\n", "")]
+    assert bastion.op("pending") == []
