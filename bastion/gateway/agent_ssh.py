@@ -15,7 +15,7 @@ opens for another command, possibly from another process, and everything on
 the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
 nothing -- except where the client that opened the connection is seen to be
-the only one that can send through it (paramiko, fabric: `lifetime.own_connection`),
+the only one that can send through it (paramiko, fabric: `senders.own_connection`),
 or on a registered run's connection while every process connected to the master
 is one of the run's (`mux.py`); both are seen as the channel opens and again at
 its request, and the gate decides.

@@ -13,7 +13,7 @@ import contextlib
 import os
 
 from bastion.core.subject import Peer
-from bastion.identity import alive, children, serves_control_socket, ssh_client_of
+from bastion.identity import alive, serves_control_socket, ssh_client_of
 
 _TCP_LISTEN = "0A"  # /proc/net/tcp's st of a listening socket
 
@@ -21,31 +21,27 @@ _TCP_LISTEN = "0A"  # /proc/net/tcp's st of a listening socket
 def own_connection(peer: Peer) -> bool | None:
     """Can nothing but the client that opened this agent connection send through it?
     Asked of a later exec channel (paramiko and fabric run each command on a channel of
-    one connection). True only when it is seen: an OpenSSH ssh that is alive and
-    neither it nor a child of it listens on a unix socket (no ControlMaster, no
-    ControlPersist in the background); another client (no ssh in the chain) whose
+    one connection). Never for OpenSSH (False: its later channels are a ControlMaster's,
+    under the run's rule). For another client (no ssh in the chain): True when the
     connecting process and the one it relays for (`bastion proxy` and its parent, as
-    paramiko's ProxyCommand runs it) are both alive and listen on no unix or TCP
-    socket. False when one is seen to serve others (or went to the background); None
-    when one could not be read (another uid, a gateway that is not root).
+    paramiko's ProxyCommand runs it) are both alive, still parent and child, and listen
+    on no unix or TCP socket; False when one is seen to listen or is gone; None when
+    one could not be read (another uid, a gateway that is not root).
 
     An observation of /proc, nothing more: the gate decides (`gate.not_shareable`)."""
-    ssh = ssh_client_of(peer)
-    if ssh is not None:
-        if not alive(ssh.pid, ssh.start_time):
-            return False
-        seen = [serves_control_socket(ssh.pid, holds_our_connection=True)]
-        seen += [serves_control_socket(pid) for pid in children(ssh.pid)]
-    else:
-        first = peer.chain[0]
-        if not alive(first.pid, first.start_time):
-            return False
-        # Its parent: in the chain, or (the connecting process is the subject, outside a
-        # run) read now, while the connecting process is still its child.
-        parent = peer.chain[1].pid if len(peer.chain) > 1 else first.ppid
-        if parent <= 1 or _parent_of(first.pid) != parent:
-            return False  # reparented: whoever relayed for it is gone
-        seen = [_listens(first.pid, holds_our_connection=True), _listens(parent)]
+    if ssh_client_of(peer) is not None:
+        # OpenSSH opens a later session channel only as a ControlMaster (a ControlPersist
+        # master may already have left the ssh that connected): today's rule, `mux.py`.
+        return False
+    first = peer.chain[0]
+    if not alive(first.pid, first.start_time):
+        return False
+    # Its parent: in the chain, or (the connecting process is the subject, outside a
+    # run) read now, while the connecting process is still its child.
+    parent = peer.chain[1].pid if len(peer.chain) > 1 else first.ppid
+    if parent <= 1 or _parent_of(first.pid) != parent:
+        return False  # reparented: whoever relayed for it is gone
+    seen = [_listens(first.pid, holds_our_connection=True), _listens(parent)]
     if True in seen:
         return False
     return None if None in seen else True

@@ -153,7 +153,7 @@ class Arrival:
     # ControlMaster was of the run, at the channel's open and at its request (`mux`).
     mux: MuxView | None = None
     # Of a later channel: only the connection's own client can send through it, as seen
-    # at the channel's open and at its request (`lifetime.own_connection`).
+    # at the channel's open and at its request (`senders.own_connection`).
     own: bool | None = None
 
 
