@@ -238,3 +238,40 @@ def test_paramiko_outside_a_run_uses_the_users_agent(
     assert got["agent"] == str(sock)
     assert results(got) == [(0, b"a\n", ""), (0, b"b\n", "")]
     assert bastion.op("pending") == []
+
+
+AUTH = """
+import json, sys
+import paramiko
+config, known, host = sys.argv[1:]
+entry = paramiko.SSHConfig.from_path(config).lookup(host)
+out = {}
+for method in ("none", "password", "publickey"):
+    t = paramiko.Transport(paramiko.ProxyCommand(entry["proxycommand"]))
+    t.start_client(timeout=30)
+    key = t.get_remote_server_key()
+    known_keys = paramiko.HostKeys(known).lookup(host) or {}
+    assert known_keys.get(key.get_name()) == key, "not the gateway's key"
+    user = entry["user"]
+    if method == "none":
+        t.auth_none(user)
+    elif method == "password":
+        t.auth_password(user, "any word")
+    else:
+        t.auth_publickey(user, paramiko.RSAKey.generate(2048))  # a key nobody knows
+    out[method] = t.is_authenticated()
+    t.close()
+print(json.dumps(out))
+"""
+
+
+def test_the_gateway_lets_in_whatever_method_a_library_tries_first(
+    bastion: Bastion, client_files: Any, tmp_path: Path
+) -> None:
+    """`none`, a password, a key nobody knows: each is let in (identity comes from the
+    socket peer; what the client presents identifies nothing). Nothing runs: no card."""
+    agent = bastion.agent()
+    files = (str(client_files.config), str(client_files.known_hosts))
+    got = answer(agent, start(agent, tmp_path, AUTH, *files, "web1"))
+    assert got == {"none": True, "password": True, "publickey": True}
+    assert bastion.op("pending") == []
