@@ -48,10 +48,8 @@ def own_connection(peer: Peer) -> bool | None:
 
 
 def _listens(pid: int, holds_our_connection: bool = False) -> bool | None:
-    """Does this process listen on a unix or TCP socket (None: unreadable)?"""
-    unix = serves_control_socket(pid, holds_our_connection)
-    if unix is not False:
-        return unix
+    """Does this process listen on a unix or TCP socket (None: unreadable)? The socket
+    tables are read only for a process holding a socket besides the connection."""
     try:
         inodes = {
             target[len("socket:[") : -1]
@@ -60,6 +58,11 @@ def _listens(pid: int, holds_our_connection: bool = False) -> bool | None:
         }
     except OSError:
         return None
+    if len(inodes) <= (1 if holds_our_connection else 0):
+        return False
+    unix = serves_control_socket(pid, holds_our_connection)
+    if unix is not False:
+        return unix
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as rows:
             next(rows)  # sl local_address rem_address st ... inode

@@ -24,15 +24,16 @@ from tests.harness import Agent, Bastion, master_pid, ssh_agent
 
 # One paramiko client, as an agent writes it: the ProxyCommand of the ssh config bastion
 # printed, no key, no password, the defaults -- and the host key checked against the
-# file bastion wrote. With LISTEN set it first listens on that unix socket (as a process
-# that relays for others would). Prints what each command gave back.
+# file bastion wrote. With LISTEN set it first listens on that unix socket, or on TCP
+# (LISTEN=tcp), as a process that relays for others would. Prints what each command gave back.
 PARAMIKO = """
 import json, os, socket, sys
 import paramiko
 config, known, host, *commands = sys.argv[1:]
 if os.environ.get("LISTEN"):
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(os.environ["LISTEN"])
+    tcp = os.environ["LISTEN"] == "tcp"
+    server = socket.socket(socket.AF_INET if tcp else socket.AF_UNIX)
+    server.bind(("127.0.0.1", 0) if tcp else os.environ["LISTEN"])
     server.listen()
 entry = paramiko.SSHConfig.from_path(config).lookup(host)
 client = paramiko.SSHClient()
@@ -139,8 +140,9 @@ def test_paramiko_refuses_a_gateway_key_that_is_not_the_one_bastion_wrote(
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_a_later_channel_of_a_client_that_listens_is_refused(
-    bastion: Bastion, in_run: Any, client_files: Any, tmp_path: Path
+    bastion: Bastion, in_run: Any, client_files: Any, tmp_path: Path, kind: str
 ) -> None:
     """A client that listens on a socket could be relaying others' commands: its first
     command runs, a later channel on the connection is refused with the ControlMaster
@@ -154,7 +156,7 @@ def test_a_later_channel_of_a_client_that_listens_is_refused(
     assert ok.exists()
 
     marker = tmp_path / "relayed"
-    listen = str(tmp_path / "relay.sock")
+    listen = str(tmp_path / "relay.sock") if kind == "unix" else "tcp"
     rid = start(
         in_run.agent, tmp_path, PARAMIKO, *files, "web1", "echo 1", f"touch {marker}",
         LISTEN=listen,
