@@ -27,7 +27,8 @@ Wayland); ~/.gnupg; the private keys in ~/.ssh (its other files stay, read
 only); tmux and screen sockets; the cron and at spools; the system bus and
 systemd's private socket; and /tmp, which is the run's own. Variables that
 name what is hidden (SSH_AUTH_SOCK, TMUX, DISPLAY, ...) are left out of the
-environment.
+environment; SSH_AUTH_SOCK then names the run's throwaway agent, one key that
+identifies nothing (`run_agent.py`), for clients that want a key to connect.
 
 Where the sandbox cannot be made, `preflight` says why and what fixes it
 (`Unavailable`): `bastion run` then starts nothing.
@@ -256,10 +257,12 @@ def plan(
     chdir: Path | None = None,
     make_dir: bool = False,
     root: bool = False,
+    agent_auth: tuple[Path, Path] | None = None,
 ) -> list[str]:
     """bwrap's arguments up to (and including) the `--` before CMD. `make_dir`: create
     `chdir` inside the sandbox (a private HOME under the run's own /tmp); `root`: bwrap
-    runs as root."""
+    runs as root; `agent_auth`: the run's throwaway ssh agent's directory, and where the
+    run sees it (`run_agent.py`), bound read-only like the agent socket's."""
     argv = [*namespaces(root), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if root:
         # ssh as root sets root's own groups to run KnownHostsCommand, and a user
@@ -290,6 +293,8 @@ def plan(
     # socket), so a restarted gateway's new socket is seen inside; read-only, so no run can
     # replace it for the others.
     argv += ["--ro-bind", str(layout.agent_dir), str(layout.agent_dir)]
+    if agent_auth is not None:
+        argv += ["--ro-bind", str(agent_auth[0]), str(agent_auth[1])]
     for p in given.ro:
         argv += ["--ro-bind", str(p), str(p)]
     if make_dir and chdir is not None:
@@ -467,16 +472,25 @@ def prepare(
     make_dir: bool = False,
     user: tuple[int, int] | None = None,
     bwrap_path: str | None = None,
+    agent_auth: tuple[Path, Path] | None = None,
 ) -> Sandbox:
     """Check that the sandbox can be made, and plan it (raises Unavailable, ValueError).
-    `bwrap_path`: the PATH to find bwrap on (default: this process's)."""
+    `bwrap_path`: the PATH to find bwrap on (default: this process's); `agent_auth`:
+    the run's throwaway ssh agent (its directory, its path inside), offered to the run
+    as SSH_AUTH_SOCK."""
     check_given(given)
     check_door(layout)
     bwrap = find_bwrap(bwrap_path)
     preflight(bwrap, user)
     root = (user[0] if user else os.geteuid()) == 0
-    argv = (bwrap, *plan(layout, given, chdir=chdir, make_dir=make_dir, root=root))
-    return Sandbox(argv, environment(env), landlock_abi())
+    argv = (
+        bwrap,
+        *plan(layout, given, chdir=chdir, make_dir=make_dir, root=root, agent_auth=agent_auth),
+    )
+    run_env = environment(env)
+    if agent_auth is not None:
+        run_env["SSH_AUTH_SOCK"] = str(agent_auth[1] / "agent.sock")
+    return Sandbox(argv, run_env, landlock_abi())
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 A test's tier is its folder: `tests/unit` (pure parts and fakes, no sshd,
 seconds), `tests/integration` (the real ssh client, a real sshd, real
-gateways), `tests/container` (the same against sshd in a podman container).
+gateways), `tests/container` (the same against sshd in a podman container),
+`tests/clients` (third-party clients -- paramiko, fabric, rsync, git -- through
+real gateways).
 Each test gets the marker of its folder, so `pytest -m unit` runs one tier.
 Shared helpers live in `tests/harness.py`; tests never import each other.
 """

@@ -29,6 +29,7 @@ from bastion.agent import proxy as proxy_mod
 from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import fail, home_of
 from bastion.home import Home
+from bastion.run_agent import ThrowawayAgent
 
 if TYPE_CHECKING:
     from bastion.isolation import Isolation
@@ -257,8 +258,10 @@ def _prepare(
     agent_socket: Path,
     given: sandbox_mod.Given,
     iso: Isolation | None,
+    keys: ThrowawayAgent | None = None,
 ) -> sandbox_mod.Sandbox:
-    """The run's sandbox, or fail with the reason and the fix: nothing has started."""
+    """The run's sandbox, or fail with the reason and the fix: nothing has started.
+    `keys`: the run's throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
     if iso is None:
         layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
         env: dict[str, str] = dict(os.environ)
@@ -275,6 +278,8 @@ def _prepare(
         )
         env = agent_env(iso, ISOLATED_HOME)
         where = {"chdir": ISOLATED_HOME, "make_dir": True, "user": (iso.uid, iso.gid)}
+    if keys is not None:
+        where["agent_auth"] = (keys.directory, keys.inside.parent)
     try:
         return sandbox_mod.prepare(layout, env, given, **where)
     except sandbox_mod.Unavailable as exc:
@@ -344,7 +349,9 @@ def run(
     tmux and screen sockets, and gives the run its own /tmp; the run sees no
     process outside it and has no controlling terminal of yours. Where the
     sandbox cannot be made, nothing starts: the message says what to install or
-    turn on.
+    turn on. SSH_AUTH_SOCK inside names a throwaway agent of the run's own, with one
+    key that identifies nothing, for clients that want a key (paramiko, fabric);
+    --no-sandbox runs keep the environment as it is.
 
     With --isolated the agent runs as the agent user, in groups of that user's
     group only, in a private HOME, with PATH, LANG, LC_ALL, HOME, USER, LOGNAME
@@ -370,7 +377,34 @@ def run(
             f"paths of at most {GIVEN_WORD - 6} characters each; give a shorter path "
             "(a parent directory)"
         )
-    box = None if no_sandbox else _prepare(home, socket_path, given, iso)
+    # The sandbox hides the user's keys and agent: it gets one of its own (none without a
+    # sandbox, which sees the user's as they are).
+    keys = None if no_sandbox else _throwaway_agent(iso)
+    try:
+        box = None if no_sandbox else _prepare(home, socket_path, given, iso, keys)
+        code = _start(socket_path, label, words, box, iso, command)
+    finally:
+        if keys is not None:
+            keys.close()
+    sys.exit(code)
+
+
+def _throwaway_agent(iso: Isolation | None) -> ThrowawayAgent:
+    try:
+        return ThrowawayAgent(iso.uid if iso is not None else None)
+    except OSError as exc:
+        fail(f"cannot start the run's ssh agent: {exc.strerror or exc}. Nothing was started.")
+
+
+def _start(
+    socket_path: Path,
+    label: str,
+    words: list[str],
+    box: sandbox_mod.Sandbox | None,
+    iso: Isolation | None,
+    command: tuple[str, ...],
+) -> int:
+    """Register, then start CMD in its sandbox (or without one) and supervise it."""
     run_id = _register(socket_path, label, None if box is None else words)
     what = "unsandboxed" if box is None else "in its sandbox"
     who = f" as {iso.user} (uid {iso.uid})" if iso else ""
@@ -379,7 +413,7 @@ def run(
         err=True,
     )
     if box is None:
-        sys.exit(_supervise(list(command), False))
+        return _supervise(list(command), False)
     popen: dict[str, Any] = {
         "env": box.env,
         # Its own session, without the operator's terminal as its controlling
@@ -395,4 +429,4 @@ def run(
             box.preexec()
 
         popen["preexec_fn"] = preexec
-    sys.exit(_supervise(box.command(command), True, **popen))
+    return _supervise(box.command(command), True, **popen)

@@ -3,16 +3,16 @@
 `gate` (the decision: a request in a world to a verdict, every refusal of the
 request path), `refusals` (what the edges may say of what they observed, and
 its code), `opguard` (who may speak for the operator), `policy` (the policy
-model), `files` (file operations and the paths an account may read and
-write), `command` (a command read as the target's shell reads it), `subject`
-(who asks, and where the subject stands in a process chain), `binding` (what a
-yes is bound to), `stdin` (an agent's stdin on a command card), `certs` (what a
+model), `files` (file operations and the paths an account may read and write),
+`command` (a command read as the target's shell reads it), `subject` (who asks,
+and where the subject stands in a process chain), `binding` (what a yes is
+bound to), `stdin` (an agent's stdin on a command card), `certs` (what a
 per-command certificate says), `cards` (what a person is asked), `waiting`
-(what an agent is shown while its card waits), `contract` (what an agent is told: codes, exit statuses, the `Refusal`), `errors` (the
-root exception), `events` (the journal's vocabulary and its folds), `display`
-(what a person is shown), `options` (options that run programs), `sharing`
-(what an agent is told of a shared ssh connection), `defaults` (every tunable,
-once).
+(what an agent is shown while its card waits), `contract` (what an agent is
+told: codes, exit statuses, the `Refusal`), `errors` (the root exception),
+`events` (the journal's vocabulary and its folds), `display` (what a person is
+shown), `options` (options that run programs), `sharing` (what an agent is told
+of a shared ssh connection), `defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

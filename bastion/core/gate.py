@@ -20,9 +20,9 @@ journal and the witness (`World`). The checks run in the contract's order
 2. the request's shape (`intake`): a channel that is not one exec (a shell, a
    subsystem, a later channel on a used connection), an ssh user that is not
    the proxy's, a connection other processes could share, a command that
-   cannot be run exactly as decided. A shared connection (a later channel, a
-   ControlMaster) passes only when its subject is a registered run and every
-   process connected to the master was seen to be a process of that run; a
+   cannot be run exactly as decided. A later channel passes when only its
+   client was seen to send through it (paramiko), or its subject is a run and
+   every process on the master was seen to be the run's (also for a master); a
    stdin read before a command card that was not seen whole (`core/stdin`);
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
@@ -186,6 +186,7 @@ class World:
     witness_refusing: str | None = None  # why the witness takes no new work, or None
     cards_waiting: int = 0  # cards of the subject's tenant waiting for an operator
     tenant: str = ""  # that tenant, as the agent is told of it
+    own_connection: bool | None = None  # later channel: only its client can send (None: unseen)
 
 
 @dataclass(frozen=True)
@@ -414,7 +415,7 @@ def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
     if req.channel is Channel.SHARED:
-        refused = not_shareable(world, ONE_COMMAND)
+        refused = not_shareable(world, ONE_COMMAND, later_channel=True)
         if refused is not None:
             return refused
     elif req.channel is Channel.SFTP:
@@ -446,11 +447,13 @@ def unsupported(req: Request, world: World) -> str | None:
     return None
 
 
-def not_shareable(world: World, words: str) -> str | None:
+def not_shareable(world: World, words: str, later_channel: bool = False) -> str | None:
     """Why a connection other processes could send through may not carry this request,
-    or None: only a registered run's, and only while every process connected to its
-    ControlMaster is one of the run's (anything unseen refuses). `words`: what a
-    subject that is not a run is told."""
+    or None: a later channel of a connection only its own client sends through; else only
+    a registered run's, and only while every process connected to its ControlMaster is
+    one of the run's (anything unseen refuses). `words`: what a non-run is told."""
+    if later_channel and world.own_connection is True and not world.shared_connection:
+        return None
     if not world.subject_is_run:
         return words
     if world.mux_clients_in_run is None:

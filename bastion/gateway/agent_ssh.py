@@ -15,9 +15,14 @@ One exec channel per connection: a second one is what an ssh ControlMaster
 opens for another command, possibly from another process, and everything on
 the connection runs as the process that connected. It is answered with the
 agent-facing JSON error (`UNSUPPORTED_REQUEST`, naming ControlMaster) and runs
-nothing -- except on a registered run's connection, while every process
-connected to the master is one of the run's (`mux.py`, seen as the channel
-opens and again at its request; the gate decides).
+nothing -- except where the client that opened the connection is seen to be
+the only one that can send through it (paramiko, fabric: `senders.own_connection`),
+or on a registered run's connection while every process connected to the master
+is one of the run's (`mux.py`); both are seen as the channel opens and again at
+its request, and the gate decides.
+
+No SSH-level authentication: whatever method a client tries first (`none`, any
+public key, a password) succeeds, since the key or word identifies nothing.
 
 This module only observes: which channel the client opened (`gate.Channel`)
 and the ssh user it sent go into the `Request`, and the gate decides each of
@@ -398,7 +403,8 @@ class _AgentSSH(asyncssh.SSHServer):
         self.sessions += 1
         extra = self.sessions > 1
         opened = self._mux_view(extra)
-        if extra and (opened is None or opened.in_run is not True):
+        own = self.service.own_connection(self.conn.peer) if extra else None
+        if extra and own is not True and (opened is None or opened.in_run is not True):
             self.refused_sessions += 1
             if self.refused_sessions > MAX_EXTRA_SESSIONS:
                 raise asyncssh.ChannelOpenError(
@@ -408,7 +414,7 @@ class _AgentSSH(asyncssh.SSHServer):
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = AgentChannel
-        process = SubsystemProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
+        process = SubsystemProcess(lambda p: self._exec(p, extra, opened, own), None, 3, False)
         return chan, process
 
     def _mux_view(self, extra: bool) -> MuxView | None:
@@ -422,11 +428,15 @@ class _AgentSSH(asyncssh.SSHServer):
         return self.service.mux_clients(peer, self.conn.socket_inode)
 
     async def _exec(
-        self, process: asyncssh.SSHServerProcess[bytes], extra: bool, opened: MuxView | None
+        self,
+        process: asyncssh.SSHServerProcess[bytes],
+        extra: bool,
+        opened: MuxView | None,
+        own: bool | None = None,
     ) -> None:
         request_id = new_request_id()
         try:
-            await self._serve(process, request_id, extra, opened)
+            await self._serve(process, request_id, extra, opened, own)
         except Exception:
             log.exception("%s: internal error", request_id)
             _finish_failure(process, gateway_failed(request_id))
@@ -437,6 +447,7 @@ class _AgentSSH(asyncssh.SSHServer):
         request_id: str,
         extra: bool,
         opened: MuxView | None,
+        own: bool | None = None,
     ) -> None:
         conn = self.conn
         command: bytes | None = getattr(process.channel, "exact_command", None)
@@ -493,6 +504,7 @@ class _AgentSSH(asyncssh.SSHServer):
             opened=opened,
             tell=process.stderr.write,
             wait_line=env.get(WAIT_LINE_ENV),
+            own_at_open=own,
         )
         if isinstance(result, Failure):
             _finish_failure(process, result)

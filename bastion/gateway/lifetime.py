@@ -59,6 +59,7 @@ from bastion.gateway.export import export_stream
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
+from bastion.gateway.senders import own_connection
 from bastion.gateway.tenants import Tenants
 from bastion.home import Home
 from bastion.identity import (
@@ -155,6 +156,7 @@ class Gateway:
             watch=self.watch,
             refresh=self.resolver.refresh,
             rides_a_master=rides_a_master,
+            own_connection=own_connection,
             mux_clients=mux.observe,
             refusing=self.witness.refusing if self.witness is not None else lambda: None,
             admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),

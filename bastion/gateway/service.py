@@ -165,6 +165,9 @@ class Arrival:
     # Of a registered run's shared connection: whether every process connected to its
     # ControlMaster was of the run, at the channel's open and at its request (`mux`).
     mux: MuxView | None = None
+    # Of a later channel: only the connection's own client can send through it, as seen
+    # at the channel's open and at its request (`senders.own_connection`).
+    own: bool | None = None
 
 
 def unseen() -> MuxView:
@@ -204,6 +207,7 @@ class Service:
         refresh: Callable[[Subject], Subject] = lambda s: s,
         rides_a_master: Callable[[Peer], bool] = lambda p: False,
         mux_clients: Callable[[Peer, int], MuxView] = lambda p, i: unseen(),
+        own_connection: Callable[[Peer], bool | None] = lambda p: None,
         refusing: Callable[[], str | None] = lambda: None,
         admission: Admission | None = None,
         schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
@@ -227,6 +231,7 @@ class Service:
         # Who is connected to a run's ControlMaster (`mux.observe`), given the peer and
         # the inode of the gateway's end of the connection.
         self.mux_clients = mux_clients
+        self.own_connection = own_connection  # nothing else can send through it (or None)
         # Why no new work is taken (a full witness buffer, when_full = refuse), or None.
         self.refusing = refusing
         self.admission = admission or Admission(limit=None)  # tests: no limit unless asked
@@ -286,6 +291,7 @@ class Service:
             subject_is_run=subject.kind is SubjectKind.RUN,
             mux_clients_in_run=seen.mux.in_run if seen.mux else None,
             mux_seen=seen.mux.seen if seen.mux else "",
+            own_connection=seen.own,
             not_journaled=seen.not_journaled,
             records_lost=self.recorder.lost != seen.lost,
             witness_refusing=seen.witness_refusing,
@@ -309,6 +315,7 @@ class Service:
         perform: Perform | None = None,
         tell: Callable[[bytes], None] | None = None,
         wait_line: str | None = None,
+        own_at_open: bool | None = None,
     ) -> Result | Failure:
         """The whole life of one exec request; every ending is journaled.
 
@@ -321,7 +328,7 @@ class Service:
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
             req = replace(req, subject_key=fresh.key)
-        arrival = self.arrive(conn, req, conversation, opened)
+        arrival = self.arrive(conn, req, conversation, opened, own_at_open)
         if ack_unknown and req.action is not None:
             self.acknowledge(conn, req, conversation, arrival)
         decided = await self.authorize(conn, req, conversation, arrival, streams, tell, wait_line)
@@ -346,6 +353,7 @@ class Service:
         req: Request,
         conversation: str | None,
         opened: MuxView | None = None,
+        own_at_open: bool | None = None,
     ) -> Arrival:
         """Journal the request's first record and observe what holds for its life. A
         record that cannot be written is observed too: the gate refuses the request.
@@ -363,12 +371,16 @@ class Service:
         if conn.peer.subject.kind is SubjectKind.RUN and (shared or req.channel is Channel.SHARED):
             mux = both(opened, self.mux_clients(conn.peer, conn.socket_inode))
             log.info("%s: shared connection of a run: %s", req.request_id, mux.seen)
+        own = None
+        if req.channel is Channel.SHARED:
+            own = own_at_open and self.own_connection(conn.peer)  # both sightings say so
         return Arrival(
             not_journaled,
             self.recorder.lost,  # a record lost after this: not sent
             shared,
             self.refusing(),
             mux,
+            own,
         )
 
     def acknowledge(

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -163,7 +164,20 @@ def test_one_command_per_connection_still_works(bastion: Bastion) -> None:
 
 async def _sessions_on_one_connection(bastion: Bastion, count: int) -> list[object]:
     """Open `count` sessions on one raw SSH connection (no OpenSSH, no mux), run
-    `true` in each but the first; the exit status of each, or the open error."""
+    `true` in each but the first; the exit status of each, or the open error. This
+    process listens on a unix socket meanwhile, as a client that relays for others
+    would: a connection only its own client sends through carries later channels
+    (issue 21; tests/clients/test_libraries.py), this one must not."""
+    relay = socket.socket(socket.AF_UNIX)
+    relay.bind(str(bastion.root / "relay.sock"))
+    relay.listen()
+    try:
+        return await _sessions(bastion, count)
+    finally:
+        relay.close()
+
+
+async def _sessions(bastion: Bastion, count: int) -> list[object]:
     known = bastion.home.known_hosts.read_text().split(None, 1)[1]
     user = bastion.sshd.user
     command = [sys.executable, "-I", "-S", proxy.__file__, "--socket"]

@@ -203,6 +203,7 @@ def test_an_isolated_agent_runs_after_approval_and_cannot_read_the_vault(
         "LC_ALL",
         "LOGNAME",
         "PATH",
+        "SSH_AUTH_SOCK",  # the run's throwaway agent (bastion/run_agent.py)
         "USER",
     }, out
     home, cwd = lines["home"].split(" cwd: ")

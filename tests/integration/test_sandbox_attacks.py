@@ -646,8 +646,10 @@ def test_the_home_the_operator_socket_and_private_keys_are_hidden(
         assert {p: seen[str(p)] for p in hidden if seen[str(p)] == "ok"} == {}, seen
         assert {str(p): "ok" for p in shown} == {str(p): seen[str(p)] for p in shown}, seen
         assert seen[str(agent_sock)] != "ok", seen
+        # SSH_AUTH_SOCK inside names the run's throwaway agent: its one key, not the user's.
         r = inside(h.agent, "ssh-add", "-l")
-        assert r.rc != 0 and b"held" not in r.stdout, r.stdout
+        assert r.rc == 0 and b"held" not in r.stdout, r.stdout
+        assert r.stdout.count(b"\n") == 1 and b"throwaway key" in r.stdout, r.stdout
         r = inside(h.agent, "env", f"SSH_AUTH_SOCK={agent_sock}", "ssh-add", "-l")
         assert r.rc != 0 and b"held" not in r.stdout, r.stdout
         r = inside(h.agent, *cli_argv(bastion.home.root, "status"))

@@ -282,12 +282,17 @@ CHANNEL_WORDS = {
 
 # Who the subject of a shared connection is, and what was seen of its ControlMaster's
 # clients: (subject_is_run, mux_clients_in_run, the words a shared connection gets then,
-# or None where a run's shared connection carries the request).
-SHARING: dict[str, tuple[bool, bool | None, str | None]] = {
-    "process": (False, None, ""),  # the words of the fact itself (REFUSALS, CHANNEL_WORDS)
-    "run_all_in_run": (True, True, None),
-    "run_outsider": (True, False, "never those of a process outside the run"),
-    "run_unseen": (True, None, "could not see which processes are connected"),
+# or None where a run's shared connection carries the request, own_connection: whether
+# only the connection's own client can send through it -- a later channel then passes,
+# unless the connection is also seen to be shared).
+SHARING: dict[str, tuple[bool, bool | None, str | None, bool | None]] = {
+    "process": (False, None, "", None),  # the words of the fact itself (REFUSALS, ...)
+    "process_own": (False, None, "", True),
+    "process_not_own": (False, None, "", False),
+    "run_all_in_run": (True, True, None, None),
+    "run_outsider": (True, False, "never those of a process outside the run", None),
+    "run_outsider_own": (True, False, "never those of a process outside the run", True),
+    "run_unseen": (True, None, "could not see which processes are connected", None),
 }
 
 
@@ -365,6 +370,7 @@ def refused_world(facts: dict[str, object], sharing: str) -> World:
         subject_is_run=SHARING[sharing][0],
         mux_clients_in_run=SHARING[sharing][1],
         mux_seen="a process outside the run (or of another run) is connected",
+        own_connection=SHARING[sharing][3],
     )
 
 
@@ -438,19 +444,23 @@ def test_the_first_failing_check_in_contract_order_decides(
     subject and ControlMaster), the verdict is exactly the refusal of the first fact
     that fails, in the contract's order: in particular VAULT_LOCKED whenever the vault
     is locked, and a run's shared connection refused unless every process on its
-    master was seen to be of the run."""
+    master was seen to be of the run; a later channel of a connection only its own
+    client can send through is carried, unless that connection is also seen shared."""
     if file and channel is Channel.SFTP:
         channel = None  # a file operation's own channel: no channel fact
     if not file and channel is Channel.SFTP:
         pytest.skip("an sftp channel without a file operation: the exec case's channel fact")
     order = order_for(sharing, channel, file)
-    names = [name for name, _, _ in order if name != "channel"]
+    names = [name for name, _, _ in (file_refusals() if file else REFUSALS) if name != "channel"]
+    own = SHARING[sharing][3] is True and channel is Channel.SHARED
     for chosen in fact_sets(names):
         facts: dict[str, object] = dict.fromkeys(chosen, True)
         if channel is not None:
             facts["channel"] = channel
         verdict = evaluate(*refused(facts, sharing, file))
-        first = next(((n, c, w) for n, c, w in order if n in facts), None)
+        carried = own and "shared_connection" not in facts  # the later channel is its own
+        fails = [f for f in order if f[0] in facts and not (carried and f[0] == "channel")]
+        first = next(iter(fails), None)
         if first is None:
             assert isinstance(verdict, AskSession)
             continue
@@ -609,3 +619,24 @@ def test_a_runs_shared_connection_carries_only_what_its_own_processes_send() -> 
         replace(request(), channel=Channel.SUBSYSTEM), replace(run, mux_clients_in_run=True)
     )
     assert isinstance(sub, Refusal) and "does not open a subsystem" in sub.message
+
+
+def test_a_later_channel_is_carried_only_where_its_client_alone_can_send() -> None:
+    """paramiko and fabric run each command on a channel of one connection: a later
+    channel is dispatched under the same grant when the gateway saw that only the client
+    that connected can send through it; seen otherwise, or not seen, or on a connection
+    that is also seen to be shared (a ControlMaster), it is refused as before."""
+    live = grant()
+    shared = replace(request(), channel=Channel.SHARED)
+    w = world(session=live)
+    ok = evaluate(shared, replace(w, own_connection=True))
+    assert isinstance(ok, Dispatch) and ok.session == live
+    for own in (False, None):
+        out = evaluate(shared, replace(w, own_connection=own))
+        assert isinstance(out, Refusal) and out.code is Code.UNSUPPORTED_REQUEST
+        assert "this connection already carried one" in out.message
+    master = evaluate(shared, replace(w, own_connection=True, shared_connection=True))
+    assert isinstance(master, Refusal) and master.code is Code.UNSUPPORTED_REQUEST
+    # It carries a later channel only: the first exec of a shared connection is refused.
+    first = evaluate(request(), replace(w, own_connection=True, shared_connection=True))
+    assert isinstance(first, Refusal) and "can be shared" in first.message

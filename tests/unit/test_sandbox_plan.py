@@ -212,3 +212,16 @@ def test_status_tries_the_sandbox_at_most_once_a_minute(monkeypatch: pytest.Monk
     assert len(tried) == 1
     sandbox.machine()  # doctor and isolate check ask afresh
     assert len(tried) == 2
+
+
+def test_the_runs_throwaway_agent_is_bound_read_only_after_the_private_tmp(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """Its directory comes into the run's own /tmp (so after the tmpfs that makes it),
+    read-only, and nowhere without it."""
+    outside, inside = tmp_path / "agent-dir", Path("/tmp/.bastion-ssh-agent")
+    argv = sandbox.plan(layout, agent_auth=(outside, inside))
+    assert _binds(argv, "--ro-bind")[-1] == (str(outside), str(inside))
+    tmp = next(i for i in range(len(argv)) if argv[i : i + 2] == ["--tmpfs", "/tmp"])
+    assert argv.index(str(outside)) > tmp
+    assert str(outside) not in sandbox.plan(layout)
