@@ -143,6 +143,9 @@ class Request:
     # it streams to the target as it comes (session accounts, commands with no card).
     stdin: Stdin | None = None
     file: FileOp | None = None  # an sftp request's one file operation (`Channel.SFTP`)
+    # It came on a later channel of its connection (a ControlMaster's, or its own
+    # client's): an sftp channel opened after a command, as fabric and ansible do.
+    later: bool = False
 
     @property
     def command_sha256(self) -> str:
@@ -414,14 +417,14 @@ def file_resolved(account: Account, op: FileOp) -> Refusal | None:
 def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
-    if req.channel is Channel.SHARED:
+    if req.channel is Channel.SHARED or req.later:
         refused = not_shareable(world, ONE_COMMAND, later_channel=True)
         if refused is not None:
             return refused
-    elif req.channel is Channel.SFTP:
+    if req.channel is Channel.SFTP:
         if req.file is None:
             return "an sftp request without a file operation. Nothing was sent."
-    elif req.channel is not Channel.EXEC:
+    elif req.channel not in (Channel.EXEC, Channel.SHARED):
         what = "a subsystem" if req.channel is Channel.SUBSYSTEM else "an interactive shell"
         return (
             f"bastion does not open {what}; it runs one command per ssh call: "

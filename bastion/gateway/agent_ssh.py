@@ -72,7 +72,7 @@ from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
-from bastion.gateway.sftp import SubsystemProcess
+from bastion.gateway.sftp import Later, SubsystemProcess
 from bastion.gateway.sftp import serve as serve_sftp
 from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials
@@ -461,12 +461,18 @@ class _AgentSSH(asyncssh.SSHServer):
         conversation = env.get("BASTION_CONVERSATION")
         if conversation is not None:
             conversation = conversation[:MAX_CONVERSATION]
-        if channel is Channel.SUBSYSTEM and process.subsystem == "sftp" and not extra:
+        if channel is Channel.SUBSYSTEM and process.subsystem == "sftp":
             # Every file operation is a request of its own (`gateway/sftp.py`).
             log.info("%s: sftp subsystem for %s@%s", request_id, conn.user, conn.host)
             outbound = self.service.outbound
             await serve_sftp(
-                self.service, conn, process, conversation, self.ssh_user, outbound.open_sftp
+                self.service,
+                conn,
+                process,
+                conversation,
+                self.ssh_user,
+                outbound.open_sftp,
+                Later(opened, own) if extra else None,
             )
             return
         subject = conn.peer.subject

@@ -368,11 +368,12 @@ class Service:
             not_journaled = str(exc)
         shared = self.rides_a_master(conn.peer)
         mux = None
-        if conn.peer.subject.kind is SubjectKind.RUN and (shared or req.channel is Channel.SHARED):
+        later = req.channel is Channel.SHARED or req.later
+        if conn.peer.subject.kind is SubjectKind.RUN and (shared or later):
             mux = both(opened, self.mux_clients(conn.peer, conn.socket_inode))
             log.info("%s: shared connection of a run: %s", req.request_id, mux.seen)
         own = None
-        if req.channel is Channel.SHARED:
+        if later:
             own = own_at_open and self.own_connection(conn.peer)  # both sightings say so
         return Arrival(
             not_journaled,

@@ -62,12 +62,23 @@ from bastion.core.gate import Channel, Dispatch, Request, file_resolved
 from bastion.core.policy import Account, ApprovalMode, Host, Policy
 from bastion.core.refusals import lost
 from bastion.gateway.intent import Intent
+from bastion.gateway.mux import MuxView
 from bastion.gateway.service import AgentConn, Service, new_request_id
 
 log = logging.getLogger("bastion.sftp")
 
 MAX_RELAYED = 64  # reads and writes of one channel in flight at once
 WRITE_CHUNK = 256 * 1024  # a held write goes to the target in pieces this size
+
+
+@dataclass(frozen=True)
+class Later:
+    """An sftp channel opened after another on its connection: who was seen connected
+    to a run's ControlMaster as it opened, and whether only its own client can send
+    through the connection (`senders.own_connection`); the gate decides on both."""
+
+    opened: MuxView | None
+    own: bool | None
 
 
 class SubsystemProcess(asyncssh.SSHServerProcess):  # type: ignore[type-arg]
@@ -155,9 +166,13 @@ async def serve(
     conversation: str | None,
     ssh_user: str,
     open_sftp: OpenSftp,
+    later: Later | None = None,
 ) -> None:
-    """Serve one sftp channel to its end; every operation is a request of its own."""
+    """Serve one sftp channel to its end; every operation is a request of its own.
+    `later`: the channel came after another on its connection, and what was seen of who
+    can send through it as it opened; each operation is decided as a later channel's."""
     broker = Broker(service, conn, conversation, ssh_user, process.stderr, open_sftp)
+    broker.later = later
     broker.wait_line = process.env.get("BASTION_WAIT_LINE")  # a file card's waiting line
     server = Brokered(process.channel, broker)  # type: ignore[arg-type]
 
@@ -219,6 +234,7 @@ class Broker:
         self.stderr = stderr
         self.open_sftp = open_sftp
         self.wait_line: str | None = None  # the agent's BASTION_WAIT_LINE, if it sent one
+        self.later: Later | None = None  # a later channel of its connection (`serve`)
         self.home: str | None = None
         self.ending = False
         self._lease: _Lease | None = None
@@ -297,6 +313,7 @@ class Broker:
             Channel.SFTP,
             self.ssh_user or None,
             file=op,
+            later=self.later is not None,
         )
         log.info("%s: sftp %s for %s@%s", req.request_id, op.summary(), req.user, req.host)
         box = _Box()
@@ -338,6 +355,8 @@ class Broker:
             perform=perform,
             tell=self.stderr.write,
             wait_line=self.wait_line,
+            opened=self.later.opened if self.later else None,
+            own_at_open=self.later.own if self.later else None,
         )
         if isinstance(result, Failure):
             with contextlib.suppress(OSError, asyncssh.Error):

@@ -640,3 +640,28 @@ def test_a_later_channel_is_carried_only_where_its_client_alone_can_send() -> No
     # It carries a later channel only: the first exec of a shared connection is refused.
     first = evaluate(request(), replace(w, own_connection=True, shared_connection=True))
     assert isinstance(first, Refusal) and "can be shared" in first.message
+
+
+def later_sftp(**changes: object) -> tuple[Request, World]:
+    """A file read that came on a later channel of its connection (fabric's `put` after
+    a `run`), in a world where only its own client can send through it, or as changed."""
+    req = Request(
+        "req_1", "web1", "files", b"", SUBJECT, channel=Channel.SFTP,
+        file=FileOp(FileKind.READ, "/var/log/syslog"), later=True,
+    )  # fmt: skip
+    return req, world(**{"own_connection": True, **changes})
+
+
+def test_an_sftp_channel_after_a_command_is_the_clients_own_or_refused() -> None:
+    """A later sftp channel is decided as a later exec channel is: carried when only its
+    own client can send through the connection (or a run's master has only the run's
+    processes), refused with ControlMaster words when another process could."""
+    assert isinstance(evaluate(*later_sftp()), AskSession)
+    for seen in (False, None):
+        verdict = evaluate(*later_sftp(own_connection=seen))
+        assert isinstance(verdict, Refusal) and verdict.code is Code.UNSUPPORTED_REQUEST
+        assert "this connection already carried one" in verdict.message
+    shared = evaluate(*later_sftp(shared_connection=True))
+    assert isinstance(shared, Refusal) and shared.code is Code.UNSUPPORTED_REQUEST
+    in_run = later_sftp(own_connection=None, subject_is_run=True, mux_clients_in_run=True)
+    assert isinstance(evaluate(*in_run), AskSession)
