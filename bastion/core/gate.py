@@ -129,6 +129,7 @@ class Request:
     action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
     channel: Channel = Channel.EXEC
     ssh_user: str | None = None  # the login the ssh client sent, where one was sent
+    terminal: bool = False  # the client asked for a terminal (pty-req) on this channel
 
     @property
     def command_sha256(self) -> str:
@@ -210,6 +211,12 @@ CONTROL_MASTER = (
     "from the process that opened it. Run ssh without ControlMaster, ControlPath, "
     "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
     f"Nothing was sent. {IN_A_RUN}"
+)
+NO_TERMINAL = (
+    "bastion runs commands without a terminal, and this ssh client asked for one (-t, -tt "
+    "or RequestTTY): the command was not run, so nothing of it happened on the target. "
+    "Run ssh without -t/-tt (or with -o RequestTTY=no), and use a command that needs no "
+    "terminal; for ansible, turn pipelining on."
 )
 NOT_JOURNALED = (
     "The gateway could not write this request to its journal ({why}), so it did not take "
@@ -339,6 +346,8 @@ def unsupported(req: Request, world: World) -> str | None:
             f"bastion does not open {what}; it runs one command per ssh call: "
             "ssh HOST 'COMMAND'. Nothing was sent."
         )
+    if req.terminal:
+        return NO_TERMINAL
     if req.ssh_user is not None and req.ssh_user != req.user:
         return (
             f'The ssh user "{req.ssh_user}" does not match the user "{req.user}" '

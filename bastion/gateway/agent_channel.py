@@ -28,11 +28,27 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
     once the command has started is refused too (its environment was read when
     it started). asyncssh refuses what it does not know on a server channel
     (`xon-xoff`, `exit-status` and `exit-signal` from a client,
-    `eow@openssh.com`, any other name), and PTY, X11 and agent requests are
-    refused by the connection's options.
+    `eow@openssh.com`, any other name), and X11 and agent requests are refused by
+    the connection's options. A PTY request is noted (and the exec it comes with
+    refused by the gate, `_process_pty_req_request` says why).
     """
 
     exact_command: bytes | None = None
+    terminal_asked: bool = False
+
+    def _process_pty_req_request(self, packet: SSHPacket) -> bool:
+        """A terminal asked for: noted, and said yes to, though none is made. Said no,
+        OpenSSH's `ssh -tt` closes the channel when the answer comes back -- but it has
+        sent its exec already, which then ran while the agent was told it failed. Said
+        yes, the exec that follows reaches the gate, which refuses it (`Request.terminal`)
+        with an error the agent reads, and nothing runs."""
+        packet.get_string()  # terminal type
+        for _ in range(4):  # columns, rows, width and height in pixels
+            packet.get_uint32()
+        packet.get_string()  # modes
+        packet.check_end()
+        self.terminal_asked = True
+        return True
 
     def _process_exec_request(self, packet: SSHPacket) -> bool:
         command = packet.get_string()

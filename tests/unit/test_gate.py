@@ -246,6 +246,7 @@ def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: 
 REFUSALS: list[tuple[str, Code, str]] = [
     ("locked", Code.VAULT_LOCKED, "vault is locked"),
     ("channel", Code.UNSUPPORTED_REQUEST, ""),  # the words: CHANNEL_WORDS
+    ("terminal", Code.UNSUPPORTED_REQUEST, "asked for one (-t, -tt or RequestTTY)"),
     ("ssh_user", Code.UNSUPPORTED_REQUEST, "does not match the user"),
     ("shared_connection", Code.UNSUPPORTED_REQUEST, "This ssh connection can be shared"),
     ("bad_command", Code.UNSUPPORTED_REQUEST, "NUL byte"),
@@ -297,6 +298,7 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         SUBJECT,
         channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
         ssh_user="other" if facts.get("ssh_user") else user,
+        terminal=bool(facts.get("terminal")),
     )
     w = world(
         locked=bool(facts.get("locked")),
