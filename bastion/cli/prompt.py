@@ -127,6 +127,10 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         lines.append(f"  conversation (the agent's claim, not checked): {style.dim(claim)}")
     if card.get("command") is not None:
         lines += _command_lines(card, style)
+    if card.get("terminal"):
+        lines.append(
+            style.warn("  terminal: runs with a terminal (its stdout and stderr arrive merged)")
+        )
     if details:
         lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
         if s.get("exec_watch"):

@@ -30,9 +30,12 @@ class Binding:
     user: str
     credential: str
     what: str | None  # sha256 of what the request does (its command); None on a session card
+    terminal: bool = False  # it runs with a terminal: a yes without one is not a yes with one
 
     @classmethod
-    def of(cls, host: Host, account: Account, what: str | None) -> Binding:
+    def of(
+        cls, host: Host, account: Account, what: str | None, *, terminal: bool = False
+    ) -> Binding:
         """The binding of a request for `what` on this policy entry, as the policy
         says it now: built here only, so card, grant and check agree by construction."""
         return cls(
@@ -42,4 +45,5 @@ class Binding:
             user=account.user,
             credential=account.credential,
             what=what,
+            terminal=terminal,
         )

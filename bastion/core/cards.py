@@ -43,6 +43,7 @@ class Card:
     created_at: float
     expires_at: float
     session_id: str | None = None  # command cards: the session they extend
+    terminal: bool = False  # command cards: it runs with a terminal (the account's `pty`)
 
     def as_json(self) -> dict[str, object]:
         b = self.binding
@@ -68,6 +69,7 @@ class Card:
             "vault_epoch": self.vault_epoch,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
+            "terminal": self.terminal,
         }
 
 
@@ -95,7 +97,12 @@ def make_card(
         request_id=req.request_id,
         reason=verdict.reason if isinstance(verdict, AskSession) else None,
         host=host.alias,
-        binding=Binding.of(host, account, req.command_sha256 if is_command else None),
+        binding=Binding.of(
+            host,
+            account,
+            req.command_sha256 if is_command else None,
+            terminal=is_command and req.terminal is not None,
+        ),
         command=shown if is_command else None,
         argv=reading.argv if reading is not None else None,
         shell_syntax=constructs,
@@ -113,4 +120,5 @@ def make_card(
         created_at=now,
         expires_at=now + timeout,
         session_id=verdict.session.id if isinstance(verdict, AskCommand) else None,
+        terminal=is_command and req.terminal is not None,
     )

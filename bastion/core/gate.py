@@ -18,15 +18,17 @@ journal and the witness (`World`). The checks run in the contract's order
 
 1. the vault is locked (nothing else is looked at);
 2. the request's shape (`intake`): a channel that is not one exec (a shell, a
-   subsystem, a later channel on a used connection), an ssh user that is not
-   the proxy's, a connection other processes could share, a command that
-   cannot be run exactly as decided. A shared connection (a later channel, a
-   ControlMaster) passes only when its subject is a registered run and every
-   process connected to the master was seen to be a process of that run;
+   subsystem, a later channel on a used connection), a terminal that cannot be
+   made as asked, an ssh user that is not the proxy's, a connection other
+   processes could share, a command that cannot be run exactly as decided. A
+   shared connection (a later channel, a ControlMaster) passes only when its
+   subject is a registered run and every process connected to the master was
+   seen to be a process of that run;
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
-5. the policy: unavailable, host, account, command, a certificate nobody can
-   sign, an action whose last attempt ended unknown;
+5. the policy: unavailable, host, account, command, a terminal on an account
+   without `pty`, a certificate nobody can sign, an action whose last attempt
+   ended unknown;
 6. the subject exited; no session grant valid now asks a session card,
 7. and a per-command account with no grant for these exact bytes a command
    card -- but before any card is asked, the tenant's cap on waiting cards;
@@ -59,6 +61,7 @@ from bastion.core.policy import (
 )
 from bastion.core.sharing import IN_A_RUN, MUX_OUTSIDER, MUX_UNSEEN
 from bastion.core.subject import SubjectKey
+from bastion.core.terminal import NO_TERMINAL, Terminal, terminal_problem
 
 
 class CardKind(enum.Enum):
@@ -129,7 +132,7 @@ class Request:
     action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
     channel: Channel = Channel.EXEC
     ssh_user: str | None = None  # the login the ssh client sent, where one was sent
-    terminal: bool = False  # the client asked for a terminal (pty-req) on this channel
+    terminal: Terminal | None = None  # the terminal the client asked for (pty-req), if any
 
     @property
     def command_sha256(self) -> str:
@@ -212,12 +215,6 @@ CONTROL_MASTER = (
     "ControlPersist or -f (the config from `bastion ssh-config` sets ControlMaster no). "
     f"Nothing was sent. {IN_A_RUN}"
 )
-NO_TERMINAL = (
-    "bastion runs commands without a terminal, and this ssh client asked for one (-t, -tt "
-    "or RequestTTY): the command was not run, so nothing of it happened on the target. "
-    "Run ssh without -t/-tt (or with -o RequestTTY=no), and use a command that needs no "
-    "terminal; for ansible, turn pipelining on."
-)
 NOT_JOURNALED = (
     "The gateway could not write this request to its journal ({why}), so it did not take "
     "it. Nothing was sent. An operator must make the journal writable again (disk full?); "
@@ -276,7 +273,8 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.binding == Binding.of(host, account, req.command_sha256)
+        and grant.binding
+        == Binding.of(host, account, req.command_sha256, terminal=req.terminal is not None)
     )
 
 
@@ -346,8 +344,8 @@ def unsupported(req: Request, world: World) -> str | None:
             f"bastion does not open {what}; it runs one command per ssh call: "
             "ssh HOST 'COMMAND'. Nothing was sent."
         )
-    if req.terminal:
-        return NO_TERMINAL
+    if req.terminal is not None and (problem := terminal_problem(req.terminal)) is not None:
+        return problem
     if req.ssh_user is not None and req.ssh_user != req.user:
         return (
             f'The ssh user "{req.ssh_user}" does not match the user "{req.user}" '
@@ -444,6 +442,9 @@ def evaluate(req: Request, world: World) -> Verdict:
         return judged.deny
     host, account, check = judged.host, judged.account, judged.check
     assert host is not None and account is not None and check is not None
+    # 5. A terminal, only on an account whose commands run with one (`pty = true`).
+    if req.terminal is not None and not account.pty:
+        return Refusal(Code.UNSUPPORTED_REQUEST, NO_TERMINAL.format(account=account.label))
     # 5a. A certificate account with nothing to sign its certificate: the policy asks
     # for what this gateway cannot do, so no card is raised for a login that cannot happen.
     if account.auth is Auth.CERTIFICATE and world.certify_problem is not None:

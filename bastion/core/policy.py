@@ -54,6 +54,7 @@ _ACCOUNT_FIELDS = (
     "auth",
     "source_address",
     "cert_ttl",
+    "pty",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -100,6 +101,9 @@ class Account:
     auth: Auth = Auth.KEY
     source_address: tuple[str, ...] = ()  # where the target sees the gateway come from
     cert_ttl: int = DEFAULT_TTL
+    # An exec that asks for a terminal (`ssh -t`, ansible without pipelining) runs
+    # with one on the target; without, the gate refuses it and nothing runs.
+    pty: bool = False
 
     @property
     def label(self) -> str:
@@ -223,6 +227,13 @@ def _shell_mode(
     return mode
 
 
+def _pty(raw: dict[str, Any], where: str) -> bool:
+    value = raw.get("pty", False)
+    if not isinstance(value, bool):
+        fail(where, f'field "pty" must be true or false, got {quote(value)}')
+    return value
+
+
 def _login_shell(raw: dict[str, Any], where: str) -> str:
     value = raw.get("login_shell", "posix")
     if value not in POSIX_SHELLS:
@@ -294,6 +305,7 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         auth=auth,
         source_address=source_address,
         cert_ttl=ttl,
+        pty=_pty(raw, where),
     )
 
 
@@ -370,19 +382,23 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    return {
-        "user": a.user,
-        "credential": a.credential,
-        "approval": a.approval.value,
-        "allow": None if a.allow is None else [r.text for r in a.allow],
-        "deny": [r.text for r in a.deny],
-        "preapproved": [r.text for r in a.preapproved],
-        "shell": a.shell.value,
-        "login_shell": a.login_shell,
-    } | (
-        {}
-        if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
-        else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+    return (
+        {
+            "user": a.user,
+            "credential": a.credential,
+            "approval": a.approval.value,
+            "allow": None if a.allow is None else [r.text for r in a.allow],
+            "deny": [r.text for r in a.deny],
+            "preapproved": [r.text for r in a.preapproved],
+            "shell": a.shell.value,
+            "login_shell": a.login_shell,
+        }
+        | (
+            {}
+            if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
+            else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+        )
+        | ({"pty": True} if a.pty else {})
     )
 
 

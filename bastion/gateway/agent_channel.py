@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncssh
 from asyncssh.packet import SSHPacket
 
+from bastion.core.terminal import Terminal
+
 
 class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
     """The exec channel an agent gets: the exec command's exact bytes, and every
@@ -29,25 +31,28 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
     it started). asyncssh refuses what it does not know on a server channel
     (`xon-xoff`, `exit-status` and `exit-signal` from a client,
     `eow@openssh.com`, any other name), and X11 and agent requests are refused by
-    the connection's options. A PTY request is noted (and the exec it comes with
-    refused by the gate, `_process_pty_req_request` says why).
+    the connection's options. A PTY request is noted as the `Terminal` it asks
+    for, and the gate decides on the exec it comes with (`_process_pty_req_request`).
     """
 
     exact_command: bytes | None = None
-    terminal_asked: bool = False
+    terminal: Terminal | None = None
 
     def _process_pty_req_request(self, packet: SSHPacket) -> bool:
-        """A terminal asked for: noted, and said yes to, though none is made. Said no,
-        OpenSSH's `ssh -tt` closes the channel when the answer comes back -- but it has
-        sent its exec already, which then ran while the agent was told it failed. Said
-        yes, the exec that follows reaches the gate, which refuses it (`Request.terminal`)
-        with an error the agent reads, and nothing runs."""
-        packet.get_string()  # terminal type
-        for _ in range(4):  # columns, rows, width and height in pixels
-            packet.get_uint32()
-        packet.get_string()  # modes
+        """A terminal asked for: noted, and said yes to; the target makes it only if the
+        gate lets the exec through (the account's `pty`). Said no, OpenSSH's `ssh -tt`
+        closes the channel when the answer comes back -- but it has sent its exec
+        already, which then ran while the agent was told it failed. Said yes, the exec
+        that follows reaches the gate, which runs it with this terminal or refuses it
+        with an error the agent reads. A second one, or one after the exec, is refused:
+        the first is what the gate decides on."""
+        term_type = packet.get_string()
+        columns, rows, width, height = (packet.get_uint32() for _ in range(4))
+        modes = packet.get_string()
         packet.check_end()
-        self.terminal_asked = True
+        if self.terminal is not None or self.exact_command is not None:
+            return False
+        self.terminal = Terminal(term_type, columns, rows, width, height, modes)
         return True
 
     def _process_exec_request(self, packet: SSHPacket) -> bool:

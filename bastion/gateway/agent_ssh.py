@@ -460,7 +460,7 @@ class _AgentSSH(asyncssh.SSHServer):
             action,
             channel,
             self.ssh_user,
-            bool(getattr(process.channel, "terminal_asked", False)),
+            getattr(process.channel, "terminal", None),
         )
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",

@@ -179,7 +179,8 @@ class Recorder:
                 "subject": peer.subject.as_json(),
                 "conversation": conversation,
                 "chain": [p.pid for p in peer.chain],
-            },
+            }
+            | ({"terminal": True} if req.terminal is not None else {}),
         )
         for listener in self.on_received:
             listener(req.action, req.request_id)

@@ -479,6 +479,7 @@ class Service:
                 flight.abandon,
                 certify=certify,
                 prepare=intent.prepare if self.witnessed is not None else None,
+                terminal=req.terminal,
             )
         except Refusal as refused:
             if refused is intent.refusal:  # the gate, the journal or the witness said no

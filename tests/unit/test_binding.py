@@ -78,6 +78,7 @@ CARD_KEYS = [
     "vault_epoch",
     "created_at",
     "expires_at",
+    "terminal",
 ]
 
 

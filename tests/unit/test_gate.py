@@ -44,6 +44,7 @@ from bastion.core.policy import (
     parse_policy_text,
 )
 from bastion.core.subject import SubjectKey
+from bastion.core.terminal import Terminal
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKwqVd3vMikqXGyJKL6mRiDHH8Ym3yLu2zkTPeUe2xx0"
 POLICY_TEXT = f"""
@@ -65,6 +66,12 @@ approval = "per-command"
 preapproved = ["uptime"]
 
 [[hosts.web1.accounts]]
+user = "tty"
+credential = "tty-key"
+approval = "per-command"
+pty = true
+
+[[hosts.web1.accounts]]
 user = "cert"
 auth = "certificate"
 source_address = ["10.0.0.1"]
@@ -74,6 +81,8 @@ HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
 SUBJECT = SubjectKey(100, 1.5, "nonce", "image", "exe-sha256")
 BOOT, EPOCH, NOW = "boot_a", 7, 1000.0
+TERMINAL = Terminal(b"xterm-256color", 80, 24, 0, 0, bytes([53, 0, 0, 0, 1, 0]))  # ECHO on
+BAD_TERMINAL = replace(TERMINAL, term_type=b"xterm\x1b]0;owned\x07")
 
 
 def request(command: bytes = b"echo hi", user: str = "deploy", host: str = "web1") -> Request:
@@ -246,7 +255,7 @@ def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: 
 REFUSALS: list[tuple[str, Code, str]] = [
     ("locked", Code.VAULT_LOCKED, "vault is locked"),
     ("channel", Code.UNSUPPORTED_REQUEST, ""),  # the words: CHANNEL_WORDS
-    ("terminal", Code.UNSUPPORTED_REQUEST, "asked for one (-t, -tt or RequestTTY)"),
+    ("bad_terminal", Code.UNSUPPORTED_REQUEST, "terminal that cannot be made as asked"),
     ("ssh_user", Code.UNSUPPORTED_REQUEST, "does not match the user"),
     ("shared_connection", Code.UNSUPPORTED_REQUEST, "This ssh connection can be shared"),
     ("bad_command", Code.UNSUPPORTED_REQUEST, "NUL byte"),
@@ -257,6 +266,7 @@ REFUSALS: list[tuple[str, Code, str]] = [
     ("unknown_host", Code.UNKNOWN_HOST, "is not in the gateway policy"),
     ("denied_account", Code.POLICY_DENIED, "is not allowed on host"),
     ("denied_command", Code.POLICY_DENIED, "Policy denies this command"),
+    ("terminal", Code.UNSUPPORTED_REQUEST, "runs commands without one"),
     ("certify_problem", Code.POLICY_UNAVAILABLE, "per-command certificates"),
     ("action_unknown", Code.ACTION_OUTCOME_UNKNOWN, "ended with an unknown outcome"),
     ("subject_dead", Code.SESSION_DENIED, "has exited"),
@@ -298,7 +308,13 @@ def refused(facts: dict[str, object], sharing: str = "process") -> tuple[Request
         SUBJECT,
         channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
         ssh_user="other" if facts.get("ssh_user") else user,
-        terminal=bool(facts.get("terminal")),
+        terminal=(
+            BAD_TERMINAL
+            if facts.get("bad_terminal")
+            else TERMINAL
+            if facts.get("terminal")
+            else None
+        ),
     )
     w = world(
         locked=bool(facts.get("locked")),
@@ -525,3 +541,50 @@ def test_a_runs_shared_connection_carries_only_what_its_own_processes_send() -> 
         replace(request(), channel=Channel.SUBSYSTEM), replace(run, mux_clients_in_run=True)
     )
     assert isinstance(sub, Refusal) and "does not open a subsystem" in sub.message
+
+
+def test_a_terminal_runs_only_on_an_account_with_pty_and_a_yes_is_bound_to_it() -> None:
+    """`pty = true`: a request with a terminal asks its command card like any other; a
+    grant given for the command without a terminal does not let it run with one (nor
+    the other way round). Without `pty` the account refuses it, naming the field."""
+    with_tty = replace(request(b"tty", "tty"), terminal=TERMINAL)
+    w = world(session=grant("tty"))
+    assert isinstance(evaluate(with_tty, w), AskCommand)
+    host = HOSTS["web1"]
+    account = host.account("tty")
+    assert account is not None
+    sha = hashlib.sha256(b"tty").hexdigest()
+    for terminal, req in ((True, with_tty), (False, request(b"tty", "tty"))):
+        bound = CommandGrant(
+            "cmd_1", "ses_1", Binding.of(host, account, sha, terminal=terminal), NOW + 60
+        )
+        other = replace(bound, binding=replace(bound.binding, terminal=not terminal))
+        assert isinstance(evaluate(req, replace(w, command_grant=bound)), Dispatch)
+        assert isinstance(evaluate(req, replace(w, command_grant=other)), AskCommand)
+    refused = evaluate(replace(request(), terminal=TERMINAL), world(session=grant()))
+    assert isinstance(refused, Refusal) and refused.code is Code.UNSUPPORTED_REQUEST
+    assert "deploy@web1 runs commands without one" in refused.message
+    assert "`pty = true`" in refused.message and "pipelining" in refused.message
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"term_type": b"x" * 65}, "terminal type"),
+        ({"term_type": b"vt100 x"}, "terminal type"),
+        ({"columns": 10_001}, "terminal size"),
+        ({"height": 100_001}, "terminal size"),
+        ({"modes": bytes([53, 0, 0])}, "modes"),
+    ],
+)
+def test_a_terminal_that_cannot_be_made_as_asked_is_refused_first(
+    change: dict[str, object], words: str
+) -> None:
+    req = replace(request(b"tty", "tty"), terminal=replace(TERMINAL, **change))  # type: ignore[arg-type]
+    verdict = evaluate(req, world(session=grant("tty")))
+    assert isinstance(verdict, Refusal) and verdict.code is Code.UNSUPPORTED_REQUEST
+    assert words in verdict.message, verdict.message
+    empty = replace(TERMINAL, term_type=b"", columns=0, rows=0, modes=b"")  # ssh -tt, no tty
+    assert isinstance(
+        evaluate(replace(req, terminal=empty), world(session=grant("tty"))), AskCommand
+    )
