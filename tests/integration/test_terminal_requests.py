@@ -1,18 +1,24 @@
-"""`ssh -tt` gets an honest answer: bastion runs no command with a terminal, so a
-request that asks for one is refused with bastion's error, and nothing runs.
+"""`ssh -t`/`-tt` get an honest answer (issue 21): on an account without `pty` the
+request is refused with bastion's error and nothing runs; with `pty = true` it runs
+with the terminal the client asked for, and the card and journal say so.
 
 Before, the gateway said no to the pty request; OpenSSH's `ssh -tt` then closes the
 channel, but it has already sent its exec, which the gateway ran: the agent read
 "PTY allocation request failed" (exit 255) while the command had run on the target
-(issue 21: 7 times in 10). Here the command touches a marker on the target 20 times
-and the marker never appears; the control, the same command without -tt, runs."""
+(7 times in 10). Here the command touches a marker on the target 20 times and the
+marker never appears; the control, the same command without -tt, runs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from tests.harness import Bastion, approved_agent
+from tests.harness import Bastion, SshdInfo, approved_agent, make_bastion, policy_toml
+
+
+def journal(b: Bastion) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in b.cli("audit", "export").stdout.splitlines()]
 
 
 def test_a_command_asking_for_a_terminal_never_runs(bastion: Bastion, tmp_path: Path) -> None:
@@ -22,13 +28,72 @@ def test_a_command_asking_for_a_terminal_never_runs(bastion: Bastion, tmp_path: 
         r = agent.run(f"tty; touch {marker}", ssh_args=("-tt",))
         assert r.rc == 77 and r.code == "UNSUPPORTED_REQUEST", r.stderr
         assert r.error is not None and r.error["retryable"] is False
-        assert "RequestTTY=no" in r.error["message"] and "not run" in r.error["message"]
+        message = r.error["message"]
+        assert "runs commands without one" in message and "`pty = true`" in message
+        assert "pipelining" in message and "RequestTTY=no" in message
         assert not marker.exists(), "the command ran although the agent was refused"
     # The control: the same command without -tt runs (and says it has no terminal).
     r = agent.run(f"tty; touch {marker}")
     assert marker.exists(), r.stderr
     assert b"not a tty" in r.stdout
-    # Each refusal is on record as denied.
-    lines = [json.loads(x) for x in bastion.cli("audit", "export").stdout.splitlines()]
+    # Each refusal is on record as denied, and its request as one that asked for a terminal.
+    lines = journal(bastion)
     denied = [x for x in lines if x.get("type") == "denied" and "terminal" in json.dumps(x)]
     assert len(denied) == 20, [x.get("type") for x in lines][-30:]
+    asked = [x for x in lines if x.get("type") == "request_received" and "terminal" in x]
+    assert len(asked) == 20 and all(x["terminal"] is True for x in asked)
+
+
+def test_a_pty_account_runs_the_command_with_a_terminal(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    b = make_bastion(tmp_path, sshd, client_key[0], policy_toml(sshd, pty=True))
+    try:
+        agent = approved_agent(b)
+        marker = tmp_path / "ran-with-a-terminal"
+        r = agent.run(f"tty; touch {marker}", ssh_args=("-tt",))
+        assert r.rc == 0, r.stderr
+        assert b"/dev/pts/" in r.stdout and marker.exists(), (r.stdout, r.stderr)
+        # The exit status comes back, and stdout and stderr arrive merged (one terminal).
+        r = agent.run("tty; echo to-stderr >&2; exit 3", ssh_args=("-tt",))
+        assert r.rc == 3, r.stderr
+        assert b"/dev/pts/" in r.stdout and b"to-stderr" in r.stdout, (r.stdout, r.stderr)
+        assert "to-stderr" not in r.stderr
+        # The size asked for is the size made (ssh -tt with no local terminal: 0x0 is
+        # what it sends, and what the target's terminal reports).
+        r = agent.run("stty size", ssh_args=("-tt",))
+        assert r.rc == 0 and r.stdout.split() == [b"0", b"0"], (r.stdout, r.stderr)
+        # Without -t the same account runs without one, as before.
+        r = agent.run("tty")
+        assert b"not a tty" in r.stdout
+        asked = [x for x in journal(b) if x.get("type") == "request_received" and "terminal" in x]
+        assert len(asked) == 3
+    finally:
+        b.close()
+
+
+def test_a_per_command_card_says_with_a_terminal(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    b = make_bastion(
+        tmp_path, sshd, client_key[0], policy_toml(sshd, pty=True, approval="per-command")
+    )
+    try:
+        agent = b.agent()
+        rid = agent.start("tty", ssh_args=("-tt",))
+        b.approve_next()  # the session card
+        card = b.next_card()
+        assert card["kind"] == "command" and card["terminal"] is True, card
+        shown = b.cli("pending").stdout
+        assert "with a terminal" in shown, shown
+        b.answer(card, True)
+        r = agent.wait(rid)
+        assert r.rc == 0 and b"/dev/pts/" in r.stdout, (r.stdout, r.stderr)
+        # The same command without a terminal is another card: no "with a terminal".
+        rid = agent.start("tty")
+        card = b.next_card()
+        assert card["terminal"] is False and "with a terminal" not in b.cli("pending").stdout
+        b.answer(card, True)
+        assert b"not a tty" in agent.wait(rid).stdout
+    finally:
+        b.close()
