@@ -32,6 +32,8 @@ class Fact(enum.Enum):
     NETWORK = "network"  # no connection: refused, reset, timed out
     SESSION_REFUSED = "session_refused"  # the target refused an exec channel (MaxSessions)
     TERMINAL_REFUSED = "terminal_refused"  # the target refused the terminal (PermitTTY no)
+    # the agent socket's SSH server (gateway/agent_ssh.py)
+    FORWARDING = "forwarding"  # a forwarded connection or tunnel asked of the gateway (-W, -L)
     # a certificate account's certificate (gateway/certify.py, issuer.py, openbao.py)
     UNCERTIFIABLE = "uncertifiable"  # no certificate can carry the command exactly
     NO_CA = "no_ca"  # the vault holds no user CA
@@ -104,6 +106,11 @@ SAID: dict[Fact, Saying] = {
         "authorized_keys, or a certificate without permit-pty); the command did not run. "
         "Run it without -t/-tt (or with -o RequestTTY=no); for ansible, turn pipelining on.",
         cause="terminal_refused",
+    ),
+    Fact.FORWARDING: Saying(
+        Code.UNSUPPORTED_REQUEST,
+        "bastion forwards nothing (asked: {what}); it runs one command per ssh call: ssh "
+        "HOST 'COMMAND'. Nothing was sent.",
     ),
     Fact.UNCERTIFIABLE: Saying(
         Code.UNSUPPORTED_REQUEST,

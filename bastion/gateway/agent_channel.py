@@ -10,7 +10,16 @@ from __future__ import annotations
 import asyncssh
 from asyncssh.packet import SSHPacket
 
+from bastion.core.refusals import Fact, refusal
 from bastion.core.terminal import Terminal
+
+
+def forwarding_refused(what: str) -> asyncssh.ChannelOpenError:
+    """A forwarded connection or tunnel an agent's client opened (-W, -L, -w), refused
+    with words naming bastion: OpenSSH prints a refused channel's reason, and asyncssh's
+    own ("Connection refused") reads as if the target had refused."""
+    said = refusal(Fact.FORWARDING, what=what)
+    return asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, said.message)
 
 
 class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]

@@ -6,9 +6,11 @@ kernel while the proxy still waits, answers OK, and only then speaks SSH on
 the same socket. No SSH-level authentication is asked for: identity comes
 from the socket peer, never from anything the client presents.
 
-Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
-forwarding. Shell and subsystem requests are answered with the agent-facing
-JSON error so that the agent learns what to do instead.
+Refused at the protocol level: agent and X11 forwarding, TCP/unix forwarding
+and tunnels (a forwarded connection with words naming bastion; a listener, -R, by
+asyncssh's default, a global request failure, which carries no words). Shell
+and subsystem requests are answered with the agent-facing JSON error so that the
+agent learns what to do instead; a terminal is the gate's to decide (`Request.terminal`).
 
 One exec channel per connection: a second one is what an ssh ControlMaster
 opens for another command, possibly from another process, and everything on
@@ -60,7 +62,7 @@ from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer, SubjectKind
 from bastion.gateway import procs
 from bastion.gateway.admission import NoSlot
-from bastion.gateway.agent_channel import AgentChannel
+from bastion.gateway.agent_channel import AgentChannel, forwarding_refused
 from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
@@ -406,6 +408,17 @@ class _AgentSSH(asyncssh.SSHServer):
         chan.__class__ = AgentChannel
         process = asyncssh.SSHServerProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
         return chan, process
+
+    def connection_requested(self, host: str, port: int, *_: object) -> Any:
+        raise forwarding_refused(f"a connection to {host} port {port}")
+
+    def unix_connection_requested(self, path: str) -> Any:
+        raise forwarding_refused(f"a connection to the socket {path}")
+
+    def tun_requested(self, unit: int | None) -> Any:
+        raise forwarding_refused("a tunnel device")
+
+    tap_requested = tun_requested
 
     def _mux_view(self, extra: bool) -> MuxView | None:
         """Who is connected to the master of a run's shared connection, now; None for a

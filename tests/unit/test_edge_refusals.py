@@ -109,6 +109,14 @@ BEFORE: list[tuple[Fact, dict[str, Any], Code, str, str]] = [
         "terminal_refused",
     ),
     (
+        Fact.FORWARDING,
+        {"what": "a connection to localhost port 22"},
+        Code.UNSUPPORTED_REQUEST,
+        "bastion forwards nothing (asked: a connection to localhost port 22); it runs one "
+        "command per ssh call: ssh HOST 'COMMAND'. Nothing was sent.",
+        "UNSUPPORTED_REQUEST",
+    ),
+    (
         Fact.UNCERTIFIABLE,
         {"account": "deploy@web1", "why": "a NUL byte"},
         Code.UNSUPPORTED_REQUEST,
