@@ -97,3 +97,70 @@ def test_a_per_command_card_says_with_a_terminal(
         assert b"not a tty" in agent.wait(rid).stdout
     finally:
         b.close()
+
+
+# -- what bastion does not serve: each refused at once, with bastion's words --------------
+
+NOT_SERVED = [
+    (("-N",), None, "-N (a connection without a command)"),
+    (("-f",), "true", "-f (a connection in the background)"),
+    (("-L", "18080:localhost:80"), "true", "-L (local port forwarding)"),
+    (("-R", "18081:localhost:22"), "true", "-R (remote port forwarding)"),
+    (("-D", "18082"), "true", "-D (dynamic port forwarding)"),
+    (("-W", "localhost:22"), None, "-W (stdio forwarding)"),
+    (("-o", "SessionType=none"), None, "-o SessionType"),
+    (("-o", "ForkAfterAuthentication=yes"), "true", "-o ForkAfterAuthentication"),
+]
+
+
+def test_what_bastion_does_not_serve_is_refused_before_anything_connects(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    """Before, `-N` hung, `-f` exited 0 and printed the refusal from the background, and
+    `-L` read like the target refused. Now each ends at once (bounded: the helper's
+    timeout would give rc None) with bastion's error naming what it serves; ssh itself
+    exits 255, as for any ProxyCommand that ends before SSH, never 0."""
+    agent = approved_agent(bastion)
+    before = len(journal(bastion))
+    for options, command, words in NOT_SERVED:
+        argv = ["ssh", "-F", str(bastion.config), *options, "web1"]
+        r = agent.wait(agent.start([], argv=argv + ([command] if command else [])), 60)
+        assert r.rc == 255, (options, r.rc, r.stderr)
+        assert r.code == "UNSUPPORTED_REQUEST" and r.error is not None, (options, r.stderr)
+        assert r.error["retryable"] is False
+        assert words in r.error["message"], (options, r.error["message"])
+        assert "one command per ssh call" in r.error["message"]
+    # Nothing reached the gateway: no request was journaled.
+    assert len(journal(bastion)) == before
+    # The control: the same ssh without those options runs its command.
+    assert agent.run("true").rc == 0
+
+
+def test_the_gateway_refuses_a_forwarded_connection_in_its_own_words(
+    bastion: Bastion, tmp_path: Path
+) -> None:
+    """A client whose ProxyCommand is not started by ssh itself (here through a shell
+    that does not exec it) is not checked by the proxy: the gateway refuses the
+    forwarded connection it opens, with words naming bastion, where asyncssh's default
+    said "Connection refused" as if from the target."""
+    agent = approved_agent(bastion)
+    text = bastion.config.read_text()
+    proxy = next(x for x in text.splitlines() if "ProxyCommand" in x).split(None, 1)[1]
+    wrapped = proxy.replace(" %h %p %r", ' "$@"; :')
+    argv = [
+        "ssh",
+        "-F",
+        str(bastion.config),
+        "-o",
+        f"ProxyCommand=/bin/sh -c '{wrapped}' sh %h %p %r",
+        "-W",
+        "localhost:22",
+        "web1",
+    ]
+    r = agent.wait(agent.start([], argv=argv), 60)
+    assert r.rc == 255, r.stderr
+    assert "administratively prohibited: bastion forwards nothing" in r.stderr, r.stderr
+    assert "a connection to localhost port 22" in r.stderr
+    # The control: the same wrapped proxy carries a command.
+    r = agent.wait(agent.start([], argv=[*argv[:5], "web1", "true"]), 60)
+    assert r.rc == 0, r.stderr
