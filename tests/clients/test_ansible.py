@@ -57,9 +57,6 @@ def ansible_files(b: Bastion, work: Path) -> dict[str, str]:
     (work / "ansible.cfg").write_text(
         "[defaults]\n"
         "inventory = inventory.ini\n"
-        "host_key_checking = False\n"
-        f"local_tmp = {work}/ansible-local\n"
-        f"remote_tmp = {work}/ansible-remote\n"
         "[ssh_connection]\n"
         f"ssh_args = -F {b.config} -C -o ControlMaster=auto -o ControlPersist=60s\n"
         # A unix socket's path is at most 107 bytes: the masters' sockets go where it is short.
