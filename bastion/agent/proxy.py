@@ -55,11 +55,15 @@ NOT_SERVED = {
     "W": ("", None, "-W (stdio forwarding)"),
     "w": ("tunnel", {"yes", "point-to-point", "ethernet"}, "-w (a tunnel device)"),
 }
+# -N and -f of a ControlMaster (-M, -o ControlMaster=yes): a master for later commands,
+# which the gateway judges as each comes (a registered run's own processes only).
+MASTER_MAY = {"N", "f"}
 SERVED = (
     "bastion runs one command per ssh call -- ssh HOST 'COMMAND', and the scp, rsync and "
     "git transfers made over it -- and forwards nothing: no ports (-L, -R, -D), no stdio "
     "(-W), no tunnel (-w); nor does it keep a connection without a command (-N) or in the "
-    "background (-f). Run ssh HOST 'COMMAND' without those options."
+    "background (-f), but for a ControlMaster inside a `bastion run`. Run ssh HOST "
+    "'COMMAND' without those options."
 )
 
 
@@ -93,20 +97,24 @@ def ssh_options(argv: list[str]) -> list[tuple[str, str]]:
 def ssh_problem(argv: list[str]) -> str | None:
     """What the agent is told when this ssh argv asks for what bastion does not serve,
     or None."""
-    asked = []
+    asked: list[tuple[str, str]] = []  # (letter, words)
+    master = False
     for letter, value in ssh_options(argv):
         if letter == "o":
             key, _, rest = value.replace("=", " ", 1).partition(" ")
-            for keyword, values, what in NOT_SERVED.values():
-                if keyword and key.lower() == keyword:
-                    wanted = rest.strip().strip('"').lower()
-                    if values is None or wanted in values:
-                        asked.append(f"{what}, as -o {key}")
+            wanted = rest.strip().strip('"').lower()
+            master = master or (key.lower() == "controlmaster" and wanted != "no")
+            for option, (keyword, values, what) in NOT_SERVED.items():
+                if keyword and key.lower() == keyword and (values is None or wanted in values):
+                    asked.append((option, f"{what}, as -o {key}"))
         elif letter in NOT_SERVED:
-            asked.append(NOT_SERVED[letter][2])
+            asked.append((letter, NOT_SERVED[letter][2]))
+        master = master or letter == "M"
+    asked = [(o, what) for o, what in asked if not (master and o in MASTER_MAY)]
     if not asked:
         return None
-    return f"This ssh was called with {', '.join(dict.fromkeys(asked))}. {SERVED}"
+    words = ", ".join(dict.fromkeys(what for _, what in asked))
+    return f"This ssh was called with {words}. {SERVED}"
 
 
 def parent_ssh_argv() -> list[str] | None:

@@ -14,7 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.harness import Bastion, SshdInfo, approved_agent, make_bastion, policy_toml
+from tests.harness import (
+    Bastion,
+    SshdInfo,
+    approved_agent,
+    make_bastion,
+    policy_toml,
+    unchecked_proxy,
+)
 
 
 def journal(b: Bastion) -> list[dict[str, Any]]:
@@ -144,15 +151,11 @@ def test_the_gateway_refuses_a_forwarded_connection_in_its_own_words(
     forwarded connection it opens, with words naming bastion, where asyncssh's default
     said "Connection refused" as if from the target."""
     agent = approved_agent(bastion)
-    text = bastion.config.read_text()
-    proxy = next(x for x in text.splitlines() if "ProxyCommand" in x).split(None, 1)[1]
-    wrapped = proxy.replace(" %h %p %r", ' "$@"; :')
     argv = [
         "ssh",
         "-F",
         str(bastion.config),
-        "-o",
-        f"ProxyCommand=/bin/sh -c '{wrapped}' sh %h %p %r",
+        *unchecked_proxy(bastion),
         "-W",
         "localhost:22",
         "web1",

@@ -187,6 +187,8 @@ def test_a_refusal_line_reads_back_as_written() -> None:
         (["ssh", "-o", "forkafterauthentication=yes", "web1", "true"], "-f"),
         (["ssh", "-o", "LocalForward=8080 localhost:80", "web1", "true"], "-o LocalForward"),
         (["ssh", "-o", "DynamicForward 1080", "web1", "true"], "-D"),
+        (["ssh", "-o", "ControlMaster=no", "-N", "web1"], "-N"),
+        (["ssh", "-M", "-N", "-L", "1:h:2", "web1"], "-L"),  # a master forwards nothing either
     ],
 )
 def test_the_proxy_refuses_what_bastion_does_not_serve(argv: list[str], asked: str) -> None:
@@ -205,6 +207,9 @@ def test_the_proxy_refuses_what_bastion_does_not_serve(argv: list[str], asked: s
         ["ssh", "-l", "-N", "web1", "true"],  # -N as -l's argument (a login name)
         ["ssh", "-o", "SessionType=default", "web1", "true"],
         ["ssh", "-o", "ForkAfterAuthentication=no", "-o", "Tunnel=no", "web1", "true"],
+        # a ControlMaster in the background, for later commands (the gateway judges those)
+        ["ssh", "-M", "-S", "/x/cp", "-o", "ControlPersist=60", "-N", "-f", "web1"],
+        ["ssh", "-o", "ControlMaster=yes", "-o", "ControlPath=/x", "-N", "-f", "web1"],
         # ansible's own: ControlMaster/ControlPersist and -tt are the gateway's to judge
         [
             "ssh",
