@@ -7,11 +7,14 @@ answered here without touching the command's relay; see `AgentChannel`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import asyncssh
 from asyncssh.packet import SSHPacket
 
 from bastion.core.refusals import Fact, refusal
-from bastion.core.terminal import Terminal
+from bastion.core.terminal import Terminal, terminal_problem
 
 
 def forwarding_refused(what: str) -> asyncssh.ChannelOpenError:
@@ -35,7 +38,8 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
     the relay reading it stopped, the command never got its EOF, and it stayed
     in flight after the agent left. They are refused here (FAILURE, when a reply
     is wanted) and never reach the reader: the gateway signals a command only on
-    the operator's `bastion kill`, and there is no terminal to resize. `env`
+    the operator's `bastion kill`; a `window-change` is carried to the target only
+    where the command runs with a terminal (`resize`). `env`
     once the command has started is refused too (its environment was read when
     it started). asyncssh refuses what it does not know on a server channel
     (`xon-xoff`, `exit-status` and `exit-signal` from a client,
@@ -46,6 +50,8 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
 
     exact_command: bytes | None = None
     terminal: Terminal | None = None
+    # Carries a window-change to the command's terminal on the target, once it runs.
+    resize: Callable[[tuple[int, int, int, int]], bool] | None = None
 
     def _process_pty_req_request(self, packet: SSHPacket) -> bool:
         """A terminal asked for: noted, and said yes to; the target makes it only if the
@@ -81,10 +87,16 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
         return False
 
     def _process_window_change_request(self, packet: SSHPacket) -> bool:
-        for _ in range(4):  # columns, rows, width and height in pixels
-            packet.get_uint32()
+        """Carried to the target where the command runs with a terminal (and the new
+        size is one `core/terminal` would make); refused otherwise."""
+        columns, rows, width, height = (packet.get_uint32() for _ in range(4))
         packet.check_end()
-        return False
+        if self.terminal is None or self.resize is None:
+            return False
+        resized = replace(self.terminal, columns=columns, rows=rows, width=width, height=height)
+        if terminal_problem(resized) is not None:
+            return False
+        return self.resize(resized.size)
 
     def _process_env_request(self, packet: SSHPacket) -> bool:
         if self.exact_command is None:

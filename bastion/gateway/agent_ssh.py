@@ -486,6 +486,8 @@ class _AgentSSH(asyncssh.SSHServer):
             req.command_sha256[:16],
         )
         streams = Streams(process.stdin, process.stdout, process.stderr)
+        if isinstance(process.channel, AgentChannel):  # a window-change, once it runs
+            process.channel.resize = lambda size: self.service.resize(request_id, size)
         result = await self.service.handle(
             conn,
             req,

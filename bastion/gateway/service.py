@@ -506,6 +506,17 @@ class Service:
             self.actions.outcome(req.action, req.request_id, result.outcome)
         return result
 
+    def resize(self, request_id: str, size: tuple[int, int, int, int]) -> bool:
+        """The agent's terminal changed size: so does the command's on the target, if it
+        runs (with a terminal) now."""
+        flight = self.inflight.get(request_id)
+        if flight is None or flight.process is None:
+            return False
+        with contextlib.suppress(Exception):  # a channel already gone has no terminal
+            flight.process.change_terminal_size(*size)
+            return True
+        return False
+
     async def kill(self, request_id: str, grace: float = KILL_GRACE) -> None:
         """Signal the remote command, then stop waiting for it if it does not end."""
         flight = self.inflight.get(request_id)

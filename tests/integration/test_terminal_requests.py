@@ -11,6 +11,7 @@ marker never appears; the control, the same command without -tt, runs."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,53 @@ def test_the_gateway_refuses_a_forwarded_connection_in_its_own_words(
     # The control: the same wrapped proxy carries a command.
     r = agent.wait(agent.start([], argv=[*argv[:5], "web1", "true"]), 60)
     assert r.rc == 0, r.stderr
+
+
+# ssh on a terminal of its own, 30 rows by 100 columns; once the command has shown its
+# size, the terminal grows to 50x120 (the kernel sends ssh SIGWINCH: a window-change),
+# and a line lets the command go on.
+ON_A_TERMINAL = """
+import fcntl, os, pty, struct, sys, termios
+pid, fd = pty.fork()
+if pid == 0:
+    fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    os.execvp(sys.argv[1], sys.argv[1:])
+out = b""
+while True:
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        break
+    if not data:
+        break
+    if b"30 100" in data + out[-10:] and b"30 100" not in out:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+        os.write(fd, b"go\\n")
+    out += data
+sys.stdout.buffer.write(out)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_the_terminal_is_the_size_the_agent_has_and_follows_it(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> None:
+    """The size the agent's terminal has is the size the target's is made, and a
+    window-change is carried to it; without a terminal, nothing would be resized."""
+    b = make_bastion(tmp_path, sshd, client_key[0], policy_toml(sshd, pty=True))
+    try:
+        agent = b.agent()
+        script = tmp_path / "on_a_terminal.py"
+        script.write_text(ON_A_TERMINAL)
+        remote = (
+            'stty size; read x; for i in $(seq 100); do [ "$(stty size)" != "30 100" ] && '
+            "break; sleep 0.1; done; stty size; exit 4"
+        )
+        argv = [sys.executable, str(script), "ssh", "-F", str(b.config), "-t", "web1", remote]
+        rid = agent.start([], argv=argv)
+        b.approve_next()  # the script's ssh is a process of its own: its own session card
+        r = agent.wait(rid, 60)
+        assert r.rc == 4, (r.stdout, r.stderr)
+        assert b"30 100" in r.stdout and b"50 120" in r.stdout, r.stdout
+    finally:
+        b.close()
