@@ -382,23 +382,26 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    return (
-        {
-            "user": a.user,
-            "credential": a.credential,
-            "approval": a.approval.value,
-            "allow": None if a.allow is None else [r.text for r in a.allow],
-            "deny": [r.text for r in a.deny],
-            "preapproved": [r.text for r in a.preapproved],
-            "shell": a.shell.value,
-            "login_shell": a.login_shell,
-        }
-        | (
-            {}
-            if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
-            else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
-        )
-        | ({"pty": True} if a.pty else {})
+    """An account as its entry digest covers it: a field added later only where it differs
+    from its default, so an account that never set it keeps its digest (and its session
+    approvals) across an upgrade."""
+    return _key_account_doc(a) | ({"pty": True} if a.pty else {})
+
+
+def _key_account_doc(a: Account) -> dict[str, Any]:
+    return {
+        "user": a.user,
+        "credential": a.credential,
+        "approval": a.approval.value,
+        "allow": None if a.allow is None else [r.text for r in a.allow],
+        "deny": [r.text for r in a.deny],
+        "preapproved": [r.text for r in a.preapproved],
+        "shell": a.shell.value,
+        "login_shell": a.login_shell,
+    } | (
+        {}
+        if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
+        else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
     )
 
 
