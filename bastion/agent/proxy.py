@@ -10,6 +10,12 @@ byte relayed through Python. Without fd passing it relays stdin/stdout.
 
 The target given here is only a name: address and port come from the
 policy, never from the client.
+
+Before it connects it reads the argv of the ssh that started it (`ssh_problem`):
+`-N`, `-f`, `-L`, `-R`, `-D`, `-W` and `-w` (and their `-o` spellings) ask for
+what bastion does not serve, and each would fail badly later -- `-N` hangs, `-f`
+exits 0 and prints the refusal from the background, `-L` reads like the target
+refused -- so the agent is told at once, and nothing connects.
 """
 
 from __future__ import annotations
@@ -30,8 +36,101 @@ REPLY_TIMEOUT = 30.0
 # bastion.core.contract's table has them (tests/unit/test_contract.py holds them to it).
 INTERNAL = ("INTERNAL", 70, False)
 GATEWAY_BUSY = ("GATEWAY_BUSY", 69, True)
+UNSUPPORTED_REQUEST = ("UNSUPPORTED_REQUEST", 77, False)
 # What a gateway's `ERR [CODE] reason` line may carry; any other is read as INTERNAL.
 ENDINGS = {ending[0]: ending for ending in (INTERNAL, GATEWAY_BUSY)}
+
+
+# OpenSSH 9.x's getopt string (ssh.c): a letter followed by ':' takes an argument.
+SSH_GETOPT = "1246ab:c:e:fgi:kl:m:no:p:qstvxAB:CD:E:F:GI:J:KL:MNO:PQ:R:S:TVw:W:XYy"
+_TAKES_ARGUMENT = {SSH_GETOPT[i - 1] for i, c in enumerate(SSH_GETOPT) if c == ":"}
+# What bastion does not serve: an ssh option letter, and the -o keyword (lowercase) with
+# the values that ask for it (None: any value), each with the words for it.
+NOT_SERVED = {
+    "N": ("sessiontype", {"none"}, "-N (a connection without a command)"),
+    "f": ("forkafterauthentication", {"yes", "true"}, "-f (a connection in the background)"),
+    "L": ("localforward", None, "-L (local port forwarding)"),
+    "R": ("remoteforward", None, "-R (remote port forwarding)"),
+    "D": ("dynamicforward", None, "-D (dynamic port forwarding)"),
+    "W": ("", None, "-W (stdio forwarding)"),
+    "w": ("tunnel", {"yes", "point-to-point", "ethernet"}, "-w (a tunnel device)"),
+}
+# -N and -f of a ControlMaster (-M, -o ControlMaster=yes): a master for later commands,
+# which the gateway judges as each comes (a registered run's own processes only).
+MASTER_MAY = {"N", "f"}
+SERVED = (
+    "bastion runs one command per ssh call -- ssh HOST 'COMMAND', and the scp, rsync and "
+    "git transfers made over it -- and forwards nothing: no ports (-L, -R, -D), no stdio "
+    "(-W), no tunnel (-w); nor does it keep a connection without a command (-N) or in the "
+    "background (-f), but for a ControlMaster inside a `bastion run`. Run ssh HOST "
+    "'COMMAND' without those options."
+)
+
+
+def ssh_options(argv: list[str]) -> list[tuple[str, str]]:
+    """The options in an OpenSSH client's argv, (letter, argument), as ssh reads them:
+    getopt, which stops at the first word that is not an option, then once more after
+    the destination up to the command; `--` ends them."""
+    found: list[tuple[str, str]] = []
+    words, at, destination = argv[1:], 0, False
+    while at < len(words):
+        word = words[at]
+        at += 1
+        if word == "--":
+            break
+        if not word.startswith("-") or word == "-":
+            if destination:
+                break  # the command
+            destination = True
+            continue
+        for i, letter in enumerate(word[1:], 1):
+            if letter in _TAKES_ARGUMENT:
+                value = word[i + 1 :]
+                if not value and at < len(words):
+                    value, at = words[at], at + 1
+                found.append((letter, value))
+                break
+            found.append((letter, ""))
+    return found
+
+
+def ssh_problem(argv: list[str]) -> str | None:
+    """What the agent is told when this ssh argv asks for what bastion does not serve,
+    or None."""
+    asked: list[tuple[str, str]] = []  # (letter, words)
+    master = False
+    for letter, value in ssh_options(argv):
+        if letter == "o":
+            key, _, rest = value.replace("=", " ", 1).partition(" ")
+            wanted = rest.strip().strip('"').lower()
+            master = master or (key.lower() == "controlmaster" and wanted != "no")
+            for option, (keyword, values, what) in NOT_SERVED.items():
+                if keyword and key.lower() == keyword and (values is None or wanted in values):
+                    asked.append((option, f"{what}, as -o {key}"))
+        elif letter in NOT_SERVED:
+            asked.append((letter, NOT_SERVED[letter][2]))
+        master = master or letter == "M"
+    asked = [(o, what) for o, what in asked if not (master and o in MASTER_MAY)]
+    if not asked:
+        return None
+    words = ", ".join(dict.fromkeys(what for _, what in asked))
+    return f"This ssh was called with {words}. {SERVED}"
+
+
+def parent_ssh_argv() -> list[str] | None:
+    """The argv of the OpenSSH client that ran this proxy, or None: not started by
+    ssh (paramiko's ProxyCommand, a test), or its /proc entry cannot be read -- then
+    nothing is checked here, and the gateway refuses what reaches it."""
+    parent = os.getppid()
+    try:
+        exe = os.readlink(f"/proc/{parent}/exe")
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    if os.path.basename(exe.removesuffix(" (deleted)")) != "ssh":
+        return None
+    return [w.decode("utf-8", "surrogateescape") for w in raw.split(b"\0")[:-1]]
 
 
 def refusal_line(code: str, reason: str) -> bytes:
@@ -126,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: bastion proxy [--socket PATH] HOST PORT USER\n")
         return 2
     host, port, user = args
+    argv = parent_ssh_argv()
+    problem = ssh_problem(argv) if argv is not None else None
+    if problem is not None:
+        return fail(problem, UNSUPPORTED_REQUEST)
     header = PROTOCOL + json.dumps({"host": host, "port": port, "user": user}).encode() + b"\n"
     if len(header) > MAX_HEADER:
         return fail("The host or user name is too long.")

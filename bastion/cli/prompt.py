@@ -167,6 +167,10 @@ def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAI
         lines += stdin_lines(card["stdin"], style)
     if card.get("file"):
         lines += _file_lines(card["file"], style)
+    if card.get("terminal"):
+        lines.append(
+            style.warn("  terminal: runs with a terminal (its stdout and stderr arrive merged)")
+        )
     if details:
         lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
         if s.get("exec_watch"):

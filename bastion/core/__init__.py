@@ -12,7 +12,8 @@ per-command certificate says), `cards` (what a person is asked), `waiting`
 told: codes, exit statuses, the `Refusal`), `errors` (the root exception),
 `events` (the journal's vocabulary and its folds), `display` (what a person is
 shown), `options` (options that run programs), `sharing` (what an agent is told
-of a shared ssh connection), `defaults` (every tunable, once).
+of a shared ssh connection), `terminal` (the terminal an ssh client asked for),
+`defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

@@ -33,10 +33,17 @@ class Binding:
     credential: str
     what: str | None  # sha256 of what the request does (its command); None on a session card
     stdin: str | None = None  # sha256 of the stdin read before the card; None: not read
+    terminal: bool = False  # it runs with a terminal: a yes without one is not a yes with one
 
     @classmethod
     def of(
-        cls, host: Host, account: Account, what: str | None, *, stdin: str | None = None
+        cls,
+        host: Host,
+        account: Account,
+        what: str | None,
+        *,
+        stdin: str | None = None,
+        terminal: bool = False,
     ) -> Binding:
         """The binding of a request for `what` on this policy entry, as the policy
         says it now: built here only, so card, grant and check agree by construction."""
@@ -48,4 +55,5 @@ class Binding:
             credential=account.credential,
             what=what,
             stdin=stdin,
+            terminal=terminal,
         )

@@ -48,6 +48,7 @@ class Card:
     session_id: str | None = None  # command cards: the session they extend
     stdin: Stdin | None = None  # command cards: the stdin read before it (None: not read)
     file: FileOp | None = None  # a file card: the operation (path, size, sha256, mode)
+    terminal: bool = False  # command cards: it runs with a terminal (the account's `pty`)
 
     def as_json(self, preview: bool = True) -> dict[str, object]:
         """The card for an operator's screen; `preview=False` for the journal, which
@@ -76,6 +77,7 @@ class Card:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "stdin": stdin_json(self.stdin, preview),
+            "terminal": self.terminal,
         } | ({"file": _file_json(self.file)} if self.file is not None else {})
 
 
@@ -129,7 +131,13 @@ def make_card(
         reason=verdict.reason if isinstance(verdict, AskSession) else None,
         host=host.alias,
         binding=(
-            Binding.of(host, account, req.what, stdin=digest_of(req.stdin))
+            Binding.of(
+                host,
+                account,
+                req.what,
+                stdin=digest_of(req.stdin),
+                terminal=req.terminal is not None,
+            )
             if is_command
             else Binding.of(host, account, None)
         ),
@@ -152,4 +160,5 @@ def make_card(
         session_id=verdict.session.id if isinstance(verdict, AskCommand) else None,
         stdin=req.stdin if is_command else None,
         file=file,
+        terminal=is_command and req.terminal is not None,
     )

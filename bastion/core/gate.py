@@ -18,16 +18,18 @@ journal and the witness (`World`). The checks run in the contract's order
 
 1. the vault is locked (nothing else is looked at);
 2. the request's shape (`intake`): a channel that is not one exec (a shell, a
-   subsystem, a later channel on a used connection), an ssh user that is not
-   the proxy's, a connection other processes could share, a command that
-   cannot be run exactly as decided. A later channel passes when only its
-   client was seen to send through it (paramiko), or its subject is a run and
-   every process on the master was seen to be the run's (also for a master); a
-   stdin read before a command card that was not seen whole (`core/stdin`);
+   subsystem, a later channel on a used connection), a terminal that cannot be
+   made as asked, an ssh user that is not the proxy's, a connection other
+   processes could share, a command that cannot be run exactly as decided. A
+   later channel passes when only its client was seen to send through it
+   (paramiko), or its subject is a run and every process on the master was
+   seen to be the run's (also for a master); a stdin read before a command card
+   that was not seen whole (`core/stdin`);
 3. the journal could not record the request, or lost a record since;
 4. the witness refuses new work;
-5. the policy: unavailable, host, account, command, a certificate nobody can
-   sign, an action whose last attempt ended unknown;
+5. the policy: unavailable, host, account, command, a terminal on an account
+   without `pty`, a certificate nobody can sign, an action whose last attempt
+   ended unknown;
 6. the subject exited; no session grant valid now asks a session card,
 7. and a per-command account with no grant for these exact bytes a command
    card -- but before any card is asked, the tenant's cap on waiting cards;
@@ -68,6 +70,7 @@ from bastion.core.policy import (
 from bastion.core.sharing import IN_A_RUN, MUX_OUTSIDER, MUX_UNSEEN
 from bastion.core.stdin import Stdin, digest_of, stdin_problem
 from bastion.core.subject import SubjectKey
+from bastion.core.terminal import NO_TERMINAL, Terminal, terminal_problem
 
 
 class CardKind(enum.Enum):
@@ -146,6 +149,7 @@ class Request:
     # It came on a later channel of its connection (a ControlMaster's, or its own
     # client's): an sftp channel opened after a command, as fabric and ansible do.
     later: bool = False
+    terminal: Terminal | None = None  # the terminal the client asked for (pty-req), if any
 
     @property
     def command_sha256(self) -> str:
@@ -293,7 +297,14 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.binding == Binding.of(host, account, req.what, stdin=digest_of(req.stdin))
+        and grant.binding
+        == Binding.of(
+            host,
+            account,
+            req.what,
+            stdin=digest_of(req.stdin),
+            terminal=req.terminal is not None,
+        )
     )
 
 
@@ -430,6 +441,8 @@ def unsupported(req: Request, world: World) -> str | None:
             f"bastion does not open {what}; it runs one command per ssh call: "
             "ssh HOST 'COMMAND'. Nothing was sent."
         )
+    if req.terminal is not None and (problem := terminal_problem(req.terminal)) is not None:
+        return problem
     if req.ssh_user is not None and req.ssh_user != req.user:
         return (
             f'The ssh user "{req.ssh_user}" does not match the user "{req.user}" '
@@ -533,6 +546,9 @@ def evaluate(req: Request, world: World) -> Verdict:
         return judged.deny
     host, account, check = judged.host, judged.account, judged.check
     assert host is not None and account is not None and check is not None
+    # 5. A terminal, only on an account whose commands run with one (`pty = true`).
+    if req.terminal is not None and not account.pty:
+        return Refusal(Code.UNSUPPORTED_REQUEST, NO_TERMINAL.format(account=account.label))
     # 5a. A certificate account with nothing to sign its certificate: the policy asks
     # for what this gateway cannot do, so no card is raised for a login that cannot happen.
     if account.auth is Auth.CERTIFICATE and world.certify_problem is not None:

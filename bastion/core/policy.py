@@ -57,6 +57,7 @@ _ACCOUNT_FIELDS = (
     "cert_ttl",
     "files",
     "waiting_line",
+    "pty",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -106,6 +107,9 @@ class Account:
     files: FileRules | None = None  # the `files` table as written; None: not written
     # The agent's ssh shows a line while a card waits (`core/waiting`); false: silence.
     waiting_line: bool = True
+    # An exec that asks for a terminal (`ssh -t`, ansible without pipelining) runs
+    # with one on the target; without, the gate refuses it and nothing runs.
+    pty: bool = False
 
     @property
     def label(self) -> str:
@@ -241,6 +245,13 @@ def _shell_mode(
     return mode
 
 
+def _pty(raw: dict[str, Any], where: str) -> bool:
+    value = raw.get("pty", False)
+    if not isinstance(value, bool):
+        fail(where, f'field "pty" must be true or false, got {quote(value)}')
+    return value
+
+
 def _login_shell(raw: dict[str, Any], where: str) -> str:
     value = raw.get("login_shell", "posix")
     if value not in POSIX_SHELLS:
@@ -322,6 +333,7 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         cert_ttl=ttl,
         files=files,
         waiting_line=_flag(raw, "waiting_line", True, where),
+        pty=_pty(raw, where),
     )
 
 
@@ -414,27 +426,32 @@ def _host_doc(host: Host) -> dict[str, Any]:
 
 
 def _account_doc(a: Account) -> dict[str, Any]:
-    doc = (
-        {
-            "user": a.user,
-            "credential": a.credential,
-            "approval": a.approval.value,
-            "allow": None if a.allow is None else [r.text for r in a.allow],
-            "deny": [r.text for r in a.deny],
-            "preapproved": [r.text for r in a.preapproved],
-            "shell": a.shell.value,
-            "login_shell": a.login_shell,
-        }
-        | (
-            {}
-            if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
-            else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
-        )
+    """An account as its entry digest covers it: a field added later only where it differs
+    from its default, so an account that never set it keeps its digest (and its session
+    approvals) across an upgrade."""
+    return (
+        _key_account_doc(a)
         | ({"files": a.files.doc()} if a.files is not None else {})
+        | ({} if a.waiting_line else {"waiting_line": False})
+        | ({"pty": True} if a.pty else {})
     )
-    if not a.waiting_line:  # only off is digested: an account left as it was keeps its digest
-        doc["waiting_line"] = False
-    return doc
+
+
+def _key_account_doc(a: Account) -> dict[str, Any]:
+    return {
+        "user": a.user,
+        "credential": a.credential,
+        "approval": a.approval.value,
+        "allow": None if a.allow is None else [r.text for r in a.allow],
+        "deny": [r.text for r in a.deny],
+        "preapproved": [r.text for r in a.preapproved],
+        "shell": a.shell.value,
+        "login_shell": a.login_shell,
+    } | (
+        {}
+        if a.auth is Auth.KEY  # unchanged for key accounts: their digests stay what they were
+        else {"auth": a.auth.value, "source_address": list(a.source_address), "ttl": a.cert_ttl}
+    )
 
 
 def entry_digest(host: Host, account: Account) -> str:

@@ -31,6 +31,9 @@ class Fact(enum.Enum):
     CERTIFICATE_REFUSED = "certificate_refused"  # the target refused the command's certificate
     NETWORK = "network"  # no connection: refused, reset, timed out
     SESSION_REFUSED = "session_refused"  # the target refused an exec channel (MaxSessions)
+    TERMINAL_REFUSED = "terminal_refused"  # the target refused the terminal (PermitTTY no)
+    # the agent socket's SSH server (gateway/agent_ssh.py)
+    FORWARDING = "forwarding"  # a forwarded connection or tunnel asked of the gateway (-W, -L)
     # a certificate account's certificate (gateway/certify.py, issuer.py, openbao.py)
     UNCERTIFIABLE = "uncertifiable"  # no certificate can carry the command exactly
     NO_CA = "no_ca"  # the vault holds no user CA
@@ -96,6 +99,18 @@ SAID: dict[Fact, Saying] = {
         Code.UNREACHABLE,
         '"{host}" refused a new session ({why}); nothing ran. It is safe to retry later.',
         cause="session_refused",
+    ),
+    Fact.TERMINAL_REFUSED: Saying(
+        Code.UNSUPPORTED_REQUEST,
+        '"{host}" refused to make a terminal (sshd\'s PermitTTY, no-pty in '
+        "authorized_keys, or a certificate without permit-pty); the command did not run. "
+        "Run it without -t/-tt (or with -o RequestTTY=no); for ansible, turn pipelining on.",
+        cause="terminal_refused",
+    ),
+    Fact.FORWARDING: Saying(
+        Code.UNSUPPORTED_REQUEST,
+        "bastion forwards nothing (asked: {what}); it runs one command per ssh call: ssh "
+        "HOST 'COMMAND'. Nothing was sent.",
     ),
     Fact.UNCERTIFIABLE: Saying(
         Code.UNSUPPORTED_REQUEST,

@@ -6,10 +6,12 @@ kernel while the proxy still waits, answers OK, and only then speaks SSH on
 the same socket. No SSH-level authentication is asked for: identity comes
 from the socket peer, never from anything the client presents.
 
-Refused at the protocol level: PTYs, agent and X11 forwarding, TCP/unix
-forwarding. The `sftp` subsystem is served, one request per file operation
-(`sftp.py`); shell and other subsystem requests are answered with the agent-facing
-JSON error so that the agent learns what to do instead.
+Refused at the protocol level: agent and X11 forwarding, TCP/unix forwarding
+and tunnels (a forwarded connection with words naming bastion; a listener, -R, by
+asyncssh's default, a global request failure, which carries no words). The `sftp`
+subsystem is served, one request per file operation (`sftp.py`); shell and other
+subsystem requests are answered with the agent-facing JSON error so that the agent
+learns what to do instead; a terminal is the gate's to decide (`Request.terminal`).
 
 One exec channel per connection: a second one is what an ssh ControlMaster
 opens for another command, possibly from another process, and everything on
@@ -67,7 +69,7 @@ from bastion.core.subject import Peer, SubjectKind
 from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.gateway import procs
 from bastion.gateway.admission import NoSlot
-from bastion.gateway.agent_channel import AgentChannel
+from bastion.gateway.agent_channel import AgentChannel, forwarding_refused
 from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
@@ -417,6 +419,17 @@ class _AgentSSH(asyncssh.SSHServer):
         process = SubsystemProcess(lambda p: self._exec(p, extra, opened, own), None, 3, False)
         return chan, process
 
+    def connection_requested(self, host: str, port: int, *_: object) -> Any:
+        raise forwarding_refused(f"a connection to {host} port {port}")
+
+    def unix_connection_requested(self, path: str) -> Any:
+        raise forwarding_refused(f"a connection to the socket {path}")
+
+    def tun_requested(self, unit: int | None) -> Any:
+        raise forwarding_refused("a tunnel device")
+
+    tap_requested = tun_requested
+
     def _mux_view(self, extra: bool) -> MuxView | None:
         """Who is connected to the master of a run's shared connection, now; None for a
         connection that is not a run's, or not shared."""
@@ -489,6 +502,7 @@ class _AgentSSH(asyncssh.SSHServer):
             action,
             channel,
             self.ssh_user,
+            getattr(process.channel, "terminal", None),
         )
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",
@@ -501,6 +515,8 @@ class _AgentSSH(asyncssh.SSHServer):
             req.command_sha256[:16],
         )
         streams = Streams(process.stdin, process.stdout, process.stderr)
+        if isinstance(process.channel, AgentChannel):  # a window-change, once it runs
+            process.channel.resize = lambda size: self.service.resize(request_id, size)
         result = await self.service.handle(
             conn,
             req,

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import asyncssh
 
@@ -28,6 +29,7 @@ from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal, rejected
+from bastion.core.terminal import Terminal, modes_of
 from bastion.gateway.pool import Pool
 from bastion.gateway.stdin import Fed
 from bastion.vault import VaultError, VaultLocked
@@ -62,14 +64,32 @@ class _IntentProcess(asyncssh.SSHClientProcess):  # type: ignore[type-arg]
     and then sends the exec request without yielding to the event loop, so
     nothing (a lock, a revoke) can happen between the final decision and the
     request leaving. If the intent refuses, the channel is closed unused.
+
+    With a terminal, a `pty-req` goes first and its answer is awaited: the intent
+    then runs as the exec request is made, again with no await in between, and a
+    terminal the target refuses leaves nothing decided or sent.
     """
 
-    def __init__(self, intent: Callable[[], None]) -> None:
+    def __init__(self, intent: Callable[[], None], terminal: bool = False) -> None:
         super().__init__()
         self._intent = intent
+        self._terminal = terminal
 
     def connection_made(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[type-arg]
         super().connection_made(chan)
+        if not self._terminal:
+            self._decide(chan)
+            return
+        make_request = chan._make_request
+
+        async def intent_first(request: bytes, *args: bytes) -> bool | None:
+            if request == b"exec":
+                self._decide(chan)
+            return await make_request(request, *args)
+
+        chan._make_request = intent_first  # type: ignore[method-assign]
+
+    def _decide(self, chan: asyncssh.SSHClientChannel) -> None:  # type: ignore[type-arg]
         try:
             self._intent()
         except BaseException:
@@ -211,6 +231,7 @@ class Dispatcher:
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Awaitable[Issued]] | None = None,
         prepare: Callable[[], Awaitable[None]] | None = None,
+        terminal: Terminal | None = None,
     ) -> Result:
         """Connect, exec, relay, classify. `intent` runs once the session
         channel is open and immediately before the exec request is sent, with
@@ -218,7 +239,8 @@ class Dispatcher:
         `prepare` (a witness must hold the intent) runs once the connection is up and
         before the exec channel opens; it refuses by raising too.
         With `certify` (a certificate account) the login is its certificate, on a
-        connection of its own that closes after this one command.
+        connection of its own that closes after this one command. With `terminal` the
+        command runs with that terminal on the target (the gate allowed it).
 
         Raises `Refusal` for every ending before the exec request left (the intent's,
         the signer's and the witness's pass through unchanged); returns the `Result`
@@ -226,7 +248,7 @@ class Dispatcher:
         prepared = prepare or _nothing
         if certify is not None:
             return await self._run_certified(
-                host, account, command, agent, intent, on_exec, abandon, certify, prepared
+                host, account, command, agent, intent, on_exec, abandon, certify, prepared, terminal
             )
         key: PoolKey = (
             host.address,
@@ -247,7 +269,9 @@ class Dispatcher:
             slot = await self.pool.acquire(key, connect)
             try:
                 await prepared()
-                return await self._exec(host, slot.conn, command, agent, intent, on_exec, abandon)
+                return await self._exec(
+                    host, slot.conn, command, agent, intent, on_exec, abandon, terminal
+                )
             except _ChannelRefused as exc:
                 why = str(exc)
                 if slot.active <= 1:
@@ -304,13 +328,14 @@ class Dispatcher:
         abandon: asyncio.Event | None,
         certify: Callable[[], Awaitable[Issued]],
         prepare: Callable[[], Awaitable[None]],
+        terminal: Terminal | None,
     ) -> Result:
         """No pool: the certificate pins one command, so its connection carries only
         that one, and the key and certificate are dropped with it."""
         conn = await self._connect(host, account, await certify())
         try:
             await prepare()
-            return await self._exec(host, conn, command, agent, intent, on_exec, abandon)
+            return await self._exec(host, conn, command, agent, intent, on_exec, abandon, terminal)
         except _ChannelRefused as exc:
             raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=str(exc)) from exc
         finally:
@@ -325,17 +350,21 @@ class Dispatcher:
         intent: Callable[[], None],
         on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
         abandon: asyncio.Event | None,
+        terminal: Terminal | None = None,
     ) -> Result:
         try:
             _, proc = await conn.create_session(
-                lambda: _IntentProcess(intent),
+                lambda: _IntentProcess(intent, terminal is not None),
                 command,
                 encoding=None,  # type: ignore[arg-type]
+                **_terminal_args(terminal),
             )
             await proc.redirect(asyncssh.PIPE, asyncssh.PIPE, asyncssh.PIPE)
         except asyncssh.ChannelOpenError as exc:
             if exc.code == asyncssh.OPEN_REQUEST_SESSION_FAILED:
                 return rejected(host.alias)
+            if exc.code == asyncssh.OPEN_REQUEST_PTY_FAILED:  # before the intent: none sent
+                raise refusal(Fact.TERMINAL_REFUSED, host=host.alias) from exc
             # The channel itself was refused, before the intent: nothing was decided
             # or sent. sshd says "open failed" when MaxSessions is reached.
             raise _ChannelRefused(exc.reason) from exc
@@ -408,6 +437,19 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
     if proc.exit_status is not None:  # None: the channel closed without one
         return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
     return lost(host.alias, "the connection to the target ended before it reported an exit status")
+
+
+def _terminal_args(terminal: Terminal | None) -> dict[str, Any]:
+    """create_session's arguments for the terminal the agent's client asked for, exactly
+    as asked (`core/terminal` checked it can be), or for none."""
+    if terminal is None:
+        return {"request_pty": False}
+    return {
+        "request_pty": "force",
+        "term_type": terminal.term_type.decode("ascii"),
+        "term_size": terminal.size,
+        "term_modes": modes_of(terminal.modes) or {},
+    }
 
 
 async def _nothing() -> None:

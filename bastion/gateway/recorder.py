@@ -180,7 +180,8 @@ class Recorder:
                 "conversation": conversation,
                 "chain": [p.pid for p in peer.chain],
             }
-            | ({"file": req.file.as_json()} if req.file is not None else {}),
+            | ({"file": req.file.as_json()} if req.file is not None else {})
+            | ({"terminal": True} if req.terminal is not None else {}),
         )
         for listener in self.on_received:
             listener(req.action, req.request_id)

@@ -535,6 +535,7 @@ class Service:
                     flight.abandon,
                     certify=certify,
                     prepare=intent.prepare if self.witnessed is not None else None,
+                    terminal=req.terminal,
                 )
         except Refusal as refused:
             if refused is intent.refusal:  # the gate, the journal or the witness said no
@@ -560,6 +561,17 @@ class Service:
         if req.action is not None:
             self.actions.outcome(req.action, req.request_id, result.outcome)
         return result
+
+    def resize(self, request_id: str, size: tuple[int, int, int, int]) -> bool:
+        """The agent's terminal changed size: so does the command's on the target, if it
+        runs (with a terminal) now."""
+        flight = self.inflight.get(request_id)
+        if flight is None or flight.process is None:
+            return False
+        with contextlib.suppress(Exception):  # a channel already gone has no terminal
+            flight.process.change_terminal_size(*size)
+            return True
+        return False
 
     async def kill(self, request_id: str, grace: float = KILL_GRACE) -> None:
         """Signal the remote command, then stop waiting for it if it does not end."""

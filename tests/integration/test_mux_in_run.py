@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import Agent, Bastion, Result, master_pid, wait_for
+from tests.harness import Agent, Bastion, Result, master_pid, policy_toml, wait_for
 
 # Control sockets live where every process sees them (a run's /tmp is its own), on a
 # short path: a unix socket path has at most 107 bytes.
@@ -175,8 +175,11 @@ def test_ansible_ad_hoc_with_default_settings_runs_inside_one_run(
     bastion: Bastion, tmp_path: Path
 ) -> None:
     """Three modules through ansible's default ControlMaster=auto / ControlPersist=60s,
-    its default transfer method (smart: sftp, then scp, then piped) and no pipelining."""
+    its default transfer method (smart: sftp, then scp, then piped) and no pipelining: its
+    modules run under -tt, so the account has `pty = true` (without it, nothing runs:
+    tests/clients/test_ansible.py)."""
     assert ANSIBLE is not None
+    bastion.write_policy(policy_toml(bastion.sshd, pty=True))
     a = approved(bastion, run_agent(bastion, "ansible"))
     inventory = tmp_path / "hosts.ini"
     inventory.write_text(

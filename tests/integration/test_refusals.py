@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.harness import Bastion
+from tests.harness import Bastion, unchecked_proxy
 
 
 def test_locked_vault_denies_at_once_and_nothing_runs_after_unlock(
@@ -60,11 +60,11 @@ def test_no_shell_and_no_pty(bastion: Bastion, tmp_path: Path) -> None:
     agent = bastion.agent()
     r = agent.run([], ssh_args=("-o", "RequestTTY=no"))
     assert r.rc == 77 and r.code == "UNSUPPORTED_REQUEST" and "one command" in r.error["message"]
-    # A forced PTY (-tt) is refused by the gateway; OpenSSH treats that as fatal,
-    # so the command never runs and the card it raised is withdrawn.
+    # A forced PTY (-tt) on an account without `pty` is refused by the gate with
+    # bastion's error (tests/integration/test_terminal_requests.py): nothing runs.
     marker = tmp_path / "marker-tty"
     r = agent.run(f"touch {marker}", ssh_args=("-tt",))
-    assert r.rc == 255 and "PTY allocation request failed" in r.stderr
+    assert r.rc == 77 and r.code == "UNSUPPORTED_REQUEST" and "`pty = true`" in r.stderr
     assert bastion.op("pending") == [] and not marker.exists()
     # Without -tt, the command runs with no terminal on the target.
     rid = agent.start("tty; echo rc=$?", ssh_args=("-t",))
@@ -95,20 +95,24 @@ def test_no_agent_forwarding(bastion: Bastion, tmp_path: Path) -> None:
         ssh_agent.wait(10)
 
 
-# Undo the config's ClearAllForwardings so the request reaches the gateway.
+# Undo the config's ClearAllForwardings, and run the proxy where it does not read the
+# ssh's argv (which refuses -N, -L and -R at once), so the request reaches the gateway.
 FORWARD = ("-N", "-o", "ClearAllForwardings=no", "-o", "ExitOnForwardFailure=yes")
 
 
 def test_no_port_forwarding(bastion: Bastion) -> None:
     agent = bastion.agent()
-    remote = agent.run([], ssh_args=(*FORWARD, "-R", "0:127.0.0.1:22"))
+    proxied = (*FORWARD, *unchecked_proxy(bastion))
+    refused = agent.run([], ssh_args=(*FORWARD, "-R", "0:127.0.0.1:22"))
+    assert refused.rc == 255 and refused.code == "UNSUPPORTED_REQUEST", refused.stderr
+    remote = agent.run([], ssh_args=(*proxied, "-R", "0:127.0.0.1:22"))
     assert remote.rc == 255 and "forwarding failed" in remote.stderr
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     target = f"{port}:{bastion.sshd.address}:{bastion.sshd.port}"
-    agent.start([], ssh_args=(*FORWARD, "-L", target))
+    agent.start([], ssh_args=(*proxied, "-L", target))
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -213,6 +213,7 @@ class FakeOutbound:
         abandon: asyncio.Event | None = None,
         certify: Callable[[], Any] | None = None,
         prepare: Callable[[], Any] | None = None,
+        terminal: Any = None,
     ) -> Result:
         loop = asyncio.get_running_loop()
         call = Call(

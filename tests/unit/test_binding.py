@@ -79,6 +79,7 @@ CARD_KEYS = [
     "created_at",
     "expires_at",
     "stdin",
+    "terminal",
 ]
 
 
@@ -151,7 +152,7 @@ def test_the_grant_holds_the_binding_the_card_showed() -> None:
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Binding)])
 def test_a_grant_whose_binding_differs_in_any_field_does_not_hold(field: str) -> None:
     bound = Binding.of(HOST, ACCOUNT, DIGEST)
-    other = {str: "other", int: 2201, type(None): "other"}[type(getattr(bound, field))]
+    other = {str: "other", int: 2201, bool: True, type(None): "other"}[type(getattr(bound, field))]
     grant = CommandGrant("cmd_1", "ses_1", dataclasses.replace(bound, **{field: other}), NOW + 60)
     assert not command_grant_holds(grant, request(), HOST, ACCOUNT, SESSION, NOW)
     assert command_grant_holds(

@@ -117,7 +117,7 @@ def test_the_grep_sees_every_spelling(tmp_path: Path) -> None:
 def test_the_agent_sides_numbers_are_the_contracts() -> None:
     """proxy.py may import nothing of bastion's; agent.client and agent.mcp_front import the
     table. Either way the codes, statuses and flags an agent reads are these."""
-    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY):
+    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY, proxy.UNSUPPORTED_REQUEST):
         assert CONTRACT[Code(code)] == (status, retryable), code
     # Every code the agent socket may put on an `ERR` line, the proxy can end with.
     for code in TURNED.values():

@@ -100,6 +100,23 @@ BEFORE: list[tuple[Fact, dict[str, Any], Code, str, str]] = [
         "session_refused",
     ),
     (
+        Fact.TERMINAL_REFUSED,
+        {"host": "web1"},
+        Code.UNSUPPORTED_REQUEST,
+        '"web1" refused to make a terminal (sshd\'s PermitTTY, no-pty in authorized_keys, or '
+        "a certificate without permit-pty); the command did not run. Run it without -t/-tt "
+        "(or with -o RequestTTY=no); for ansible, turn pipelining on.",
+        "terminal_refused",
+    ),
+    (
+        Fact.FORWARDING,
+        {"what": "a connection to localhost port 22"},
+        Code.UNSUPPORTED_REQUEST,
+        "bastion forwards nothing (asked: a connection to localhost port 22); it runs one "
+        "command per ssh call: ssh HOST 'COMMAND'. Nothing was sent.",
+        "UNSUPPORTED_REQUEST",
+    ),
+    (
         Fact.UNCERTIFIABLE,
         {"account": "deploy@web1", "why": "a NUL byte"},
         Code.UNSUPPORTED_REQUEST,

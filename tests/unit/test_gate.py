@@ -47,6 +47,7 @@ from bastion.core.policy import (
 )
 from bastion.core.stdin import Stdin, StdinEnd
 from bastion.core.subject import SubjectKey
+from bastion.core.terminal import Terminal
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKwqVd3vMikqXGyJKL6mRiDHH8Ym3yLu2zkTPeUe2xx0"
 POLICY_TEXT = f"""
@@ -68,6 +69,12 @@ approval = "per-command"
 preapproved = ["uptime"]
 
 [[hosts.web1.accounts]]
+user = "tty"
+credential = "tty-key"
+approval = "per-command"
+pty = true
+
+[[hosts.web1.accounts]]
 user = "cert"
 auth = "certificate"
 source_address = ["10.0.0.1"]
@@ -83,6 +90,8 @@ HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
 SUBJECT = SubjectKey(100, 1.5, "nonce", "image", "exe-sha256")
 BOOT, EPOCH, NOW = "boot_a", 7, 1000.0
+TERMINAL = Terminal(b"xterm-256color", 80, 24, 0, 0, bytes([53, 0, 0, 0, 1, 0]))  # ECHO on
+BAD_TERMINAL = replace(TERMINAL, term_type=b"xterm\x1b]0;owned\x07")
 
 
 def request(command: bytes = b"echo hi", user: str = "deploy", host: str = "web1") -> Request:
@@ -255,6 +264,7 @@ def test_malformed_commands_are_refused_before_policy(command: bytes, fragment: 
 REFUSALS: list[tuple[str, Code, str]] = [
     ("locked", Code.VAULT_LOCKED, "vault is locked"),
     ("channel", Code.UNSUPPORTED_REQUEST, ""),  # the words: CHANNEL_WORDS
+    ("bad_terminal", Code.UNSUPPORTED_REQUEST, "terminal that cannot be made as asked"),
     ("ssh_user", Code.UNSUPPORTED_REQUEST, "does not match the user"),
     ("shared_connection", Code.UNSUPPORTED_REQUEST, "This ssh connection can be shared"),
     ("bad_command", Code.UNSUPPORTED_REQUEST, "NUL byte"),
@@ -266,6 +276,7 @@ REFUSALS: list[tuple[str, Code, str]] = [
     ("unknown_host", Code.UNKNOWN_HOST, "is not in the gateway policy"),
     ("denied_account", Code.POLICY_DENIED, "is not allowed on host"),
     ("denied_command", Code.POLICY_DENIED, "Policy denies this command"),
+    ("terminal", Code.UNSUPPORTED_REQUEST, "runs commands without one"),
     ("certify_problem", Code.POLICY_UNAVAILABLE, "per-command certificates"),
     ("action_unknown", Code.ACTION_OUTCOME_UNKNOWN, "ended with an unknown outcome"),
     ("subject_dead", Code.SESSION_DENIED, "has exited"),
@@ -299,7 +310,8 @@ SHARING: dict[str, tuple[bool, bool | None, str | None, bool | None]] = {
 # A file operation's request meets the same facts in the same order; its own two
 # stand where the command's stood (a path that cannot be carried, a path no rule
 # admits), and a certificate account has no file access, so `certify_problem` is not
-# one of its facts, nor is stdin (a file operation has none: a file card shows its bytes).
+# one of its facts, nor are stdin and a terminal (a file operation has neither: a file
+# card shows its bytes).
 FILE_FACTS = {
     "bad_command": ("bad_path", Code.UNSUPPORTED_REQUEST, "a path with a NUL byte"),
     "denied_command": ("denied_file", Code.POLICY_DENIED, "matches no files.read rule"),
@@ -310,7 +322,7 @@ def file_refusals() -> list[tuple[str, Code, str]]:
     return [
         FILE_FACTS.get(name, (name, code, words))
         for name, code, words in REFUSALS
-        if name not in ("certify_problem", "stdin_too_large")
+        if name not in ("certify_problem", "stdin_too_large", "bad_terminal", "terminal")
     ]
 
 
@@ -350,6 +362,13 @@ def refused(
         channel=facts.get("channel") or Channel.EXEC,  # type: ignore[arg-type]
         ssh_user="other" if facts.get("ssh_user") else user,
         stdin=Stdin.of(b"x" * 9, StdinEnd.TOO_LARGE) if facts.get("stdin_too_large") else None,
+        terminal=(
+            BAD_TERMINAL
+            if facts.get("bad_terminal")
+            else TERMINAL
+            if facts.get("terminal")
+            else None
+        ),
     )
     return req, refused_world(facts, sharing)
 
@@ -665,3 +684,50 @@ def test_an_sftp_channel_after_a_command_is_the_clients_own_or_refused() -> None
     assert isinstance(shared, Refusal) and shared.code is Code.UNSUPPORTED_REQUEST
     in_run = later_sftp(own_connection=None, subject_is_run=True, mux_clients_in_run=True)
     assert isinstance(evaluate(*in_run), AskSession)
+
+
+def test_a_terminal_runs_only_on_an_account_with_pty_and_a_yes_is_bound_to_it() -> None:
+    """`pty = true`: a request with a terminal asks its command card like any other; a
+    grant given for the command without a terminal does not let it run with one (nor
+    the other way round). Without `pty` the account refuses it, naming the field."""
+    with_tty = replace(request(b"tty", "tty"), terminal=TERMINAL)
+    w = world(session=grant("tty"))
+    assert isinstance(evaluate(with_tty, w), AskCommand)
+    host = HOSTS["web1"]
+    account = host.account("tty")
+    assert account is not None
+    sha = hashlib.sha256(b"tty").hexdigest()
+    for terminal, req in ((True, with_tty), (False, request(b"tty", "tty"))):
+        bound = CommandGrant(
+            "cmd_1", "ses_1", Binding.of(host, account, sha, terminal=terminal), NOW + 60
+        )
+        other = replace(bound, binding=replace(bound.binding, terminal=not terminal))
+        assert isinstance(evaluate(req, replace(w, command_grant=bound)), Dispatch)
+        assert isinstance(evaluate(req, replace(w, command_grant=other)), AskCommand)
+    refused = evaluate(replace(request(), terminal=TERMINAL), world(session=grant()))
+    assert isinstance(refused, Refusal) and refused.code is Code.UNSUPPORTED_REQUEST
+    assert "deploy@web1 runs commands without one" in refused.message
+    assert "`pty = true`" in refused.message and "pipelining" in refused.message
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"term_type": b"x" * 65}, "terminal type"),
+        ({"term_type": b"vt100 x"}, "terminal type"),
+        ({"columns": 10_001}, "terminal size"),
+        ({"height": 100_001}, "terminal size"),
+        ({"modes": bytes([53, 0, 0])}, "modes"),
+    ],
+)
+def test_a_terminal_that_cannot_be_made_as_asked_is_refused_first(
+    change: dict[str, object], words: str
+) -> None:
+    req = replace(request(b"tty", "tty"), terminal=replace(TERMINAL, **change))  # type: ignore[arg-type]
+    verdict = evaluate(req, world(session=grant("tty")))
+    assert isinstance(verdict, Refusal) and verdict.code is Code.UNSUPPORTED_REQUEST
+    assert words in verdict.message, verdict.message
+    empty = replace(TERMINAL, term_type=b"", columns=0, rows=0, modes=b"")  # ssh -tt, no tty
+    assert isinstance(
+        evaluate(replace(req, terminal=empty), world(session=grant("tty"))), AskCommand
+    )

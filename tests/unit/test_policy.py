@@ -15,6 +15,7 @@ from bastion.core.policy import (
     Policy,
     PolicyError,
     ShellMode,
+    _account_doc,
     check_command,
     entry_digest,
     host_key_fingerprint,
@@ -534,3 +535,20 @@ def test_a_login_shell_that_is_not_posix_is_refused(shell: str) -> None:
 def test_a_rule_with_shell_syntax_is_a_policy_error_naming_the_field() -> None:
     with pytest.raises(PolicyError, match=r'field "allow"\[1\]: rule .*uses shell syntax'):
         account_of("", allow='["ls", "systemctl status *; *"]')
+
+
+def test_pty_is_off_by_default_and_only_a_pty_account_digests_it() -> None:
+    """An account that never said `pty` keeps the entry digest it had (its session
+    approvals survive the upgrade); `pty = true` is a different entry."""
+    plain, off, on = account_of(""), account_of("pty = false"), account_of("pty = true")
+    assert (plain.pty, off.pty, on.pty) == (False, False, True)
+    assert "pty" not in _account_doc(plain) and "pty" not in _account_doc(off)
+    assert _account_doc(on)["pty"] is True
+    host = parse_policy_text(
+        f'[hosts.h]\naddress = "a"\nhost_key = "{KEY1}"\n'
+        '[[hosts.h.accounts]]\nuser = "u"\ncredential = "k"\napproval = "session"\n',
+        "x.toml",
+    )["h"]
+    assert entry_digest(host, plain) == entry_digest(host, off) != entry_digest(host, on)
+    with pytest.raises(PolicyError, match='field "pty" must be true or false'):
+        account_of('pty = "yes"')

@@ -163,3 +163,74 @@ def test_a_refusal_line_reads_back_as_written() -> None:
     assert proxy.read_refusal(b"ERR too many\n") == (None, "too many")
     assert proxy.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
     assert proxy.read_refusal(b"") == (None, "")
+
+
+# -- what the ssh that started the proxy asked for ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,asked",
+    [
+        (["ssh", "-N", "web1"], "-N"),
+        (["ssh", "-f", "web1", "true"], "-f"),
+        (["ssh", "-fN", "web1"], "-f"),  # grouped flags
+        (["ssh", "-L", "8080:localhost:80", "web1", "true"], "-L"),
+        (["ssh", "-L8080:localhost:80", "web1"], "-L"),  # the argument attached
+        (["ssh", "-R", "9000:localhost:22", "web1", "true"], "-R"),
+        (["ssh", "-D", "1080", "web1"], "-D"),
+        (["ssh", "-W", "localhost:22", "web1"], "-W"),
+        (["ssh", "-w", "any", "web1"], "-w"),
+        (["ssh", "web1", "-N"], "-N"),  # options may follow the destination
+        (["ssh", "-F", "cfg", "web1", "-tt", "-L", "1:h:2", "ls"], "-L"),
+        (["ssh", "-o", "SessionType=none", "web1"], "-o SessionType"),
+        (["ssh", "-oSessionType none", "web1"], "-o SessionType"),
+        (["ssh", "-o", "forkafterauthentication=yes", "web1", "true"], "-f"),
+        (["ssh", "-o", "LocalForward=8080 localhost:80", "web1", "true"], "-o LocalForward"),
+        (["ssh", "-o", "DynamicForward 1080", "web1", "true"], "-D"),
+        (["ssh", "-o", "ControlMaster=no", "-N", "web1"], "-N"),
+        (["ssh", "-M", "-N", "-L", "1:h:2", "web1"], "-L"),  # a master forwards nothing either
+    ],
+)
+def test_the_proxy_refuses_what_bastion_does_not_serve(argv: list[str], asked: str) -> None:
+    problem = proxy.ssh_problem(argv)
+    assert problem is not None and asked in problem, (argv, problem)
+    assert "one command per ssh call" in problem
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ssh", "-F", "cfg", "web1", "uptime"],
+        ["ssh", "web1", "ls", "-N", "-L", "x"],  # the command's words, not ssh's options
+        ["ssh", "web1", "--", "-N"],
+        ["ssh", "--", "web1", "-N"],
+        ["ssh", "-l", "-N", "web1", "true"],  # -N as -l's argument (a login name)
+        ["ssh", "-o", "SessionType=default", "web1", "true"],
+        ["ssh", "-o", "ForkAfterAuthentication=no", "-o", "Tunnel=no", "web1", "true"],
+        # a ControlMaster in the background, for later commands (the gateway judges those)
+        ["ssh", "-M", "-S", "/x/cp", "-o", "ControlPersist=60", "-N", "-f", "web1"],
+        ["ssh", "-o", "ControlMaster=yes", "-o", "ControlPath=/x", "-N", "-f", "web1"],
+        # ansible's own: ControlMaster/ControlPersist and -tt are the gateway's to judge
+        [
+            "ssh",
+            "-C",
+            "-o",
+            "ControlMaster=auto",
+            "-o",
+            "ControlPersist=60s",
+            "-o",
+            "ControlPath=/x/%C",
+            "-tt",
+            "web1",
+            "/bin/sh -c 'echo ~ && sleep 0'",
+        ],
+    ],
+)
+def test_the_proxy_lets_a_command_through(argv: list[str]) -> None:
+    assert proxy.ssh_problem(argv) is None, argv
+
+
+def test_the_proxy_checks_only_an_openssh_parent() -> None:
+    """Run by pytest (python), the proxy checks nothing: paramiko's ProxyCommand and
+    other parents are the gateway's to answer."""
+    assert proxy.parent_ssh_argv() is None
