@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 from bastion.core.binding import Binding
 from bastion.core.certs import Auth
@@ -142,6 +142,7 @@ class Request:
     action: str | None = None  # sha256 of the agent's BASTION_ACTION_KEY, if it sent one
     channel: Channel = Channel.EXEC
     ssh_user: str | None = None  # the login the ssh client sent, where one was sent
+    _: KW_ONLY  # what came with the request besides its command: named, never by position
     # Its stdin, read whole before a command card (`reads_stdin`); None: not read, and
     # it streams to the target as it comes (session accounts, commands with no card).
     stdin: Stdin | None = None

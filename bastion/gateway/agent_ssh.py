@@ -502,7 +502,7 @@ class _AgentSSH(asyncssh.SSHServer):
             action,
             channel,
             self.ssh_user,
-            getattr(process.channel, "terminal", None),
+            terminal=getattr(process.channel, "terminal", None),
         )
         log.info(
             "%s: exec request for %s@%s from pid %d (%s), %d bytes, sha256 %s",

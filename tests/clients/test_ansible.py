@@ -3,9 +3,10 @@
 ansible's defaults: one ControlMaster per host (`-o ControlMaster=auto -o
 ControlPersist=60s`), no pipelining, so every module runs under `ssh -tt` -- which
 needs an account with `pty = true` -- and its files go over ansible's `smart`
-transfer (sftp, then scp, then a piped `dd` over exec: whichever the gateway serves;
-the test checks what arrived, not how). Only `ssh_args` is set, to put `-F` (the
-config `bastion ssh-config` prints) before ansible's own default options.
+transfer (sftp, then scp, then a piped `dd` over exec): the gateway serves sftp, so
+its modules travel as file operations on the master's later channels, each on
+record. Only `ssh_args` is set, to put `-F` (the config `bastion ssh-config`
+prints) before ansible's own default options.
 """
 
 from __future__ import annotations
@@ -132,6 +133,16 @@ def test_ansible_with_its_defaults_through_one_run(
             assert all(received[rid].get("terminal") is True for rid in runs), module
             assert all(rid in completed for rid in runs), module
         assert all(x["user"] == USER and x["host"] == "web1" for x in received.values())
+        # Its modules went over sftp, on its ControlMaster's later channels: each put a
+        # file operation of its own, on record (path, no content) and completed.
+        puts = [
+            rid
+            for rid, x in received.items()
+            if (x.get("file") or {}).get("op") == "write" and "AnsiballZ_" in x["file"]["path"]
+        ]
+        assert puts and all(rid in completed for rid in puts), [
+            x.get("file") for x in received.values()
+        ]
         assert not b.op("pending")
     finally:
         b.close()
