@@ -30,7 +30,7 @@ from bastion.core.events import Outcome, Result
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.core.terminal import Terminal, modes_of
-from bastion.gateway.pool import Pool
+from bastion.gateway.pool import Connect, Pool
 from bastion.gateway.stdin import Fed
 from bastion.vault import VaultError, VaultLocked
 
@@ -250,19 +250,7 @@ class Dispatcher:
             return await self._run_certified(
                 host, account, command, agent, intent, on_exec, abandon, certify, prepared, terminal
             )
-        key: PoolKey = (
-            host.address,
-            host.port,
-            account.user,
-            account.credential,
-            host.host_key,
-            vault_epoch,
-        )
-
-        async def connect() -> tuple[asyncssh.SSHClientConnection, Callable[[], bool]]:
-            conn = await self._connect(host, account)
-            tracked: _Tracked = conn.get_owner()  # type: ignore[assignment]
-            return conn, lambda: tracked.lost
+        key, connect = self._pooled(host, account, vault_epoch)
 
         why = "open failed"
         for _ in range(REFUSED_RETRIES):
@@ -281,12 +269,9 @@ class Dispatcher:
                 await self.pool.release(slot)
         raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=why)
 
-    async def open_sftp(
-        self, host: Host, account: Account, vault_epoch: int
-    ) -> tuple[asyncssh.SFTPClient, Callable[[], Awaitable[None]]]:
-        """An sftp channel to the target on a pooled connection of this account's key (in
-        this vault epoch), and what gives it back. Raises a `Refusal` when none can be
-        opened: nothing was sent. Certificate accounts have no file access (`core/files`)."""
+    def _pooled(self, host: Host, account: Account, vault_epoch: int) -> tuple[PoolKey, Connect]:
+        """The pool's key for this target, account and vault epoch, and how to open a
+        connection for it (and know when it is gone)."""
         key: PoolKey = (
             host.address,
             host.port,
@@ -300,6 +285,16 @@ class Dispatcher:
             conn = await self._connect(host, account)
             tracked: _Tracked = conn.get_owner()  # type: ignore[assignment]
             return conn, lambda: tracked.lost
+
+        return key, connect
+
+    async def open_sftp(
+        self, host: Host, account: Account, vault_epoch: int
+    ) -> tuple[asyncssh.SFTPClient, Callable[[], Awaitable[None]]]:
+        """An sftp channel to the target on a pooled connection of this account's key (in
+        this vault epoch), and what gives it back. Raises a `Refusal` when none can be
+        opened: nothing was sent. Certificate accounts have no file access (`core/files`)."""
+        key, connect = self._pooled(host, account, vault_epoch)
 
         slot = await self.pool.acquire(key, connect)
         try:
