@@ -13,8 +13,19 @@ from typing import Any
 
 import pytest
 
+from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import PASSPHRASE, Agent, Bastion, Result, policy_toml, wait_for
+from tests.harness import (
+    PASSPHRASE,
+    Agent,
+    Bastion,
+    Result,
+    make_bastion,
+    policy_toml,
+    wait_for,
+    witness_caught_up,
+    write_bastion_toml,
+)
 
 MARKER = b"BASTION-CONTENT-MARKER-7f3a"
 
@@ -315,3 +326,37 @@ def test_other_subsystems_stay_refused_and_allow_accounts_have_no_files(
     assert r.code == "POLICY_DENIED", r.stderr
     assert "has no file access" in r.error["message"]  # type: ignore[index]
     assert not (tmp_path / "y").exists()
+
+
+def test_no_file_content_reaches_the_witness_syslog(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], area: Path
+) -> None:
+    """A witnessed gateway (rsyslog over TCP) sends each file operation's summary off the
+    box: the path is there, the content never (nor in the journal or the log). Control:
+    the collector got the operations' records at all."""
+    reason = rsyslog_available()
+    if reason:
+        pytest.skip(reason)
+    collector = Rsyslog(tmp_path / "rsyslog").start()
+    b = make_bastion(tmp_path / "home", sshd, client_key[0], start=False)
+    try:
+        b.write_policy(inline_tables(files_policy(sshd, area)))
+        write_bastion_toml(b, f'[witness]\nsyslog = "{collector.tcp}"\n')
+        b.start_daemon()
+        b.unlock()
+        agent = b.agent()
+        data = payload(256 * 1024)
+        local = tmp_path / "up.bin"
+        local.write_bytes(data)
+        up = client(b, agent, ["scp", *ssh_opts(b), str(local), f"web1:{area}/rw/witnessed.bin"])
+        assert up.rc == 0, up.stderr
+        back = tmp_path / "back.bin"
+        down = client(b, agent, ["scp", *ssh_opts(b), f"web1:{area}/rw/witnessed.bin", str(back)])
+        assert down.rc == 0 and back.read_bytes() == data, down.stderr
+        witness_caught_up(b)
+        collector.wait_for(lambda text: "witnessed.bin" in text)
+        assert MARKER not in collector.output.read_bytes()
+        no_content_anywhere(b)
+    finally:
+        b.close()
+        collector.stop()
