@@ -281,6 +281,13 @@ def example_accounts() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def toml_value(value: object) -> str:
+    """A TOML value: JSON's spelling, but a table inline (`files = { read = [...] }`)."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
+
+
 def example_policy(sshd: SshdInfo) -> str:
     lines: list[str] = []
     for alias, account in example_accounts():
@@ -293,7 +300,7 @@ def example_policy(sshd: SshdInfo) -> str:
             f'user = "{USER}"',
             'credential = "deploy-key"',
             *(
-                f"{k} = {json.dumps(v)}"
+                f"{k} = {toml_value(v)}"
                 for k, v in account.items()
                 if k not in ("user", "credential")
             ),
