@@ -272,7 +272,7 @@ def test_hostile_paths_never_run_anything_locally(
         "$(touch M)",
         "`touch M`",
         "*",
-        "it's \"quoted\"",
+        'it\'s "quoted"',
         "glob?[ab]",
         "trailing\\",
     ]
