@@ -345,8 +345,9 @@ def build(front: Front) -> MCPServer:
     @server.tool(
         description="The hosts and accounts you may use through bastion, how each account "
         "is approved (session: once per agent process; per-command: every command, except "
-        "those matching `preapproved`) and which commands its `allow` rules let through "
-        "(null: anything the policy does not deny)."
+        "those matching `preapproved`), which commands its `allow` rules let through "
+        "(null: anything the policy does not deny) and which paths sftp_get and sftp_put "
+        "may read and write (`files`; null: no file access)."
     )
     async def ssh_hosts() -> CallToolResult:
         try:

@@ -40,6 +40,7 @@ from bastion.agent.client import (
     stop,
 )
 from bastion.core.contract import NOT_SENT
+from bastion.core.errors import BastionError
 
 MAX_FILE_BYTES = 64 * 1024 * 1024  # core/defaults.MAX_FILE_CARD_BYTES (a unit test ties them)
 MAX_PATH_BYTES = 4096  # core/files.MAX_PATH
@@ -187,11 +188,11 @@ class Get:
 # -- the protocol ----------------------------------------------------------------------------
 
 
-class WireClosed(Exception):
+class WireClosed(BastionError):
     """The channel ended (or sent what is not SFTP) before the answer came."""
 
 
-class Status(Exception):
+class Status(BastionError):
     """An SFTP status other than OK: the target's answer, or the gateway's refusal
     (which then also wrote its JSON error line on the channel's stderr)."""
 
@@ -500,17 +501,22 @@ async def transfer(
     loop = asyncio.get_running_loop()
     started = loop.time()
     timed_out = False
-    while True:
-        left = started + req.timeout_s - loop.time()
-        if left <= 0:
-            timed_out = True
-            task.cancel()
-            break
-        done, _ = await asyncio.wait({task}, timeout=min(every, left))
-        if done:
-            break
-        if progress is not None:
-            await progress(wire.sent, loop.time() - started)
+    try:
+        while True:
+            left = started + req.timeout_s - loop.time()
+            if left <= 0:
+                timed_out = True
+                task.cancel()
+                break
+            done, _ = await asyncio.wait({task}, timeout=min(every, left))
+            if done:
+                break
+            if progress is not None:
+                await progress(wire.sent, loop.time() - started)
+    except BaseException:  # the call itself was cancelled: ssh does not outlive it
+        task.cancel()
+        await stop(proc)
+        raise
     outcome: Moved | BaseException
     try:
         outcome = await task

@@ -133,6 +133,11 @@ def test_put_then_get_round_trips_exact_bytes(session_files: Bastion, area: Path
         assert note.read_bytes() == body.encode()
         r = client.call("sftp_get", host="web1", path=str(note))
         assert r["structured"]["content"] == body and r["structured"]["truncated"] is False, r
+    # ssh_hosts says which paths the account's files rules allow; no address or key.
+    hosts = client.call("ssh_hosts")["structured"]["hosts"]
+    rules = {"read": [f"{area}/readable/**", f"{area}/rw/**"], "write": [f"{area}/rw/**"]}
+    assert hosts[0]["accounts"][0]["files"] == rules, hosts
+    assert b.sshd.address not in json.dumps(hosts) and "deploy-key" not in json.dumps(hosts)
     # The journal names the file and its digest; never its content.
     journal = exported(b)
     assert str(target) in journal and digest in journal
@@ -286,3 +291,19 @@ def test_hostile_paths_never_run_anything_locally(
     assert (rw / "exists").read_bytes() == b"x"
     assert not marker.exists()
     assert not list(Path.cwd().glob("M")) and not (Path("/") / "M").exists()
+
+
+def test_a_put_whose_card_outlasts_timeout_s_says_so(
+    bastion: Bastion, sshd: SshdInfo, area: Path
+) -> None:
+    bastion.write_policy(files_policy(sshd, area, approval="per-command"))
+    client = McpClient(bastion)
+    target = area / "rw" / "late"
+    args = {"host": "web1", "path": str(target), "content": "late", "timeout_s": 4}
+    rid = client.start("call", name="sftp_put", arguments=args)
+    bastion.approve_next()  # the session card; the file card is left waiting
+    r = client.wait(rid)
+    err = error_of(r)
+    assert err["code"] == "STATUS_UNKNOWN" and "sftp_get" in err["message"], err
+    assert r["progress"], r  # told while it waited
+    assert not target.exists()  # the file card was never approved
