@@ -226,7 +226,7 @@ def test_the_sftp_batch_a_naive_front_builds_runs_a_local_command(
     marker = tmp_path / "local-command-ran"
     path = f"{area}/rw/exists\n!touch {marker}"
     batch = tmp_path / "batch"
-    batch.write_text(f"get {path} {tmp_path}/out\n")
+    batch.write_text(f"lcd {tmp_path}\nget {path} {tmp_path}/out\n")  # lcd: get lands there
     agent = b.agent()
     rid = agent.start([], argv=["sftp", "-F", str(b.config), "-b", str(batch), "web1"])
     deadline = time.monotonic() + 90
