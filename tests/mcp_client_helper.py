@@ -77,7 +77,7 @@ async def main() -> None:
         children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
         say({"id": 0, "ready": os.getpid(), "server_pid": int(children[0]) if children else None})
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
+        reader = asyncio.StreamReader(limit=1 << 28)  # a file tool's content is one line
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         tasks: set[asyncio.Task[None]] = set()
         while line := await reader.readline():

@@ -207,6 +207,11 @@ def gateway_error(stderr: bytes, exit_status: int | None) -> dict[str, Any] | No
     ssh failed, 255, after the proxy printed one): the last such line on stderr."""
     if exit_status not in GATEWAY_EXITS and exit_status != 255:
         return None
+    return error_line(stderr)
+
+
+def error_line(stderr: bytes) -> dict[str, Any] | None:
+    """The error object of the last JSON error line among stderr's last lines."""
     for line in reversed(stderr.decode("utf-8", "replace").splitlines()[-8:]):
         with contextlib.suppress(ValueError):
             doc = json.loads(line)
@@ -228,6 +233,17 @@ def ssh_argv(config: Path, cmd: Command, action_key: str) -> list[str]:
     if cmd.user is not None:
         argv += ["-l", cmd.user]
     return [*argv, "--", cmd.host, cmd.command]
+
+
+def sftp_argv(config: Path, host: str, user: str | None) -> list[str]:
+    """ssh's argv for one sftp channel (`sftp_wire`): `-s`, then `--`, the checked
+    host alias and the literal subsystem name. Nothing a model sends is in it but
+    the host and the account, both checked names; its paths travel inside SFTP
+    packets only. `BASTION_WAIT_LINE=0`: MCP tells of a waiting card as progress."""
+    argv = ["ssh", "-F", str(config), "-T", "-o", "SetEnv=BASTION_WAIT_LINE=0"]
+    if user is not None:
+        argv += ["-l", user]
+    return [*argv, "-s", "--", host, "sftp"]
 
 
 def ssh_env() -> dict[str, str]:
@@ -279,7 +295,7 @@ async def run(
         left = started + cmd.timeout_s - loop.time()
         if left <= 0:
             timed_out = True
-            await _end(proc)
+            await stop(proc)
             break
         done, _ = await asyncio.wait({work}, timeout=min(every, left))
         if done:
@@ -300,7 +316,7 @@ async def run(
     )
 
 
-async def _end(proc: asyncio.subprocess.Process) -> None:
+async def stop(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM ssh's process group (ssh and its proxy), SIGKILL after KILL_GRACE."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):

@@ -17,6 +17,7 @@ Built on the official `mcp` SDK (an optional dependency: `pip install
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -28,8 +29,9 @@ from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp_types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 
-from bastion.agent import client
+from bastion.agent import client, sftp_wire
 from bastion.agent.client import AgentError, Command, Declined, Ran, Unsupported
+from bastion.agent.sftp_wire import Get, Moved, Put
 from bastion.core.contract import NOT_SENT
 from bastion.core.refusals import Observed, agent_error, waited_out
 
@@ -45,7 +47,10 @@ result is an error, read its `code`: STATUS_UNKNOWN means the command may or may
 not have run -- call request_status and inspect the target before trying again;
 `retryable: true` means nothing was sent and the same call may be repeated;
 UNSUPPORTED_REQUEST means this call was refused before anything ran: change the
-argument its message names.
+argument its message names. sftp_put and sftp_get move one whole file by its
+absolute path (on accounts whose `files` rules allow it); an error with
+`target_error` in place of `error` is the target's own answer (no such file,
+permission denied there), as a command's non-zero exit status is.
 """
 
 
@@ -209,8 +214,73 @@ def ok_result(
     return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=doc)
 
 
+async def account(front: Front, host: str, user: str | None) -> str | None:
+    """The account a call names, or the host's only one; this process registered as a
+    front first (the subject a person approves is the MCP client)."""
+    if user is None:
+        user = await asyncio.to_thread(front.account_of, host)
+    await asyncio.to_thread(client.register_front, front.agent_socket)
+    return user
+
+
+def target_error(moved: Moved) -> CallToolResult:
+    """The target answered the file operation with an SFTP failure: it ran there, and
+    failed there (not a refusal of bastion's, which has its error object)."""
+    assert moved.status is not None
+    name = sftp_wire.STATUS_NAMES.get(moved.status.code, f"status {moved.status.code}")
+    doc = {
+        "target_error": {
+            "sftp_status": moved.status.code,
+            "status": name,
+            "message": moved.status.message,
+        }
+    }
+    text = f"the target answered: {name} ({moved.status.message}). " + json.dumps(doc)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)], structured_content=doc, is_error=True
+    )
+
+
+def moved_failure(moved: Moved, req: Put | Get) -> CallToolResult | None:
+    """The tool error for a transfer that did not complete, or None when it did."""
+    if moved.timed_out:
+        where = f"`timeout_s` ({req.timeout_s:g} s) ran out and bastion's MCP server ended it."
+        if not moved.opened:
+            return error_result(
+                {
+                    "code": waited_out(None),
+                    "message": f"{where} Nothing of the file was sent (it was waiting for an "
+                    "approval or the gateway); call again only with a longer timeout_s.",
+                    "request_id": None,
+                    "retryable": False,
+                }
+            )
+        if isinstance(req, Get):
+            message = (
+                f"{where} A read changes nothing on the target: call again with a longer "
+                "timeout_s or a smaller max_bytes."
+            )
+        else:
+            message = (
+                f"{where} The file may or may not have been written (wholly or in part, or "
+                "still waiting for its file card): read it with sftp_get, or ask the "
+                "operator, before writing it again."
+            )
+        return error_result(agent_error(Observed.STILL_HELD, message))
+    if moved.error is not None:
+        return error_result(moved.error)
+    if moved.status is not None:
+        return target_error(moved)
+    if moved.broken is not None:
+        tail = moved.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+        said = " | ".join(tail) or moved.broken
+        gone = NOT_SENT if not moved.opened else "The file operation's outcome is unknown."
+        return internal(f"the sftp channel through ssh ended without an answer: {said}. {gone}")
+    return None
+
+
 def build(front: Front) -> MCPServer:
-    """The server and its three tools."""
+    """The server and its five tools."""
     server = Server(name="bastion", instructions=INSTRUCTIONS, version="1")
 
     @server.tool(
@@ -245,10 +315,7 @@ def build(front: Front) -> MCPServer:
         )
         try:
             cmd = cmd.checked()
-            if cmd.user is None:
-                user = await asyncio.to_thread(front.account_of, host)
-                cmd = replace(cmd, user=user).checked()
-            await asyncio.to_thread(client.register_front, front.agent_socket)
+            cmd = replace(cmd, user=await account(front, host, cmd.user)).checked()
         except AgentError as exc:
             return refused(exc)
 
@@ -278,8 +345,9 @@ def build(front: Front) -> MCPServer:
     @server.tool(
         description="The hosts and accounts you may use through bastion, how each account "
         "is approved (session: once per agent process; per-command: every command, except "
-        "those matching `preapproved`) and which commands its `allow` rules let through "
-        "(null: anything the policy does not deny)."
+        "those matching `preapproved`), which commands its `allow` rules let through "
+        "(null: anything the policy does not deny) and which paths sftp_get and sftp_put "
+        "may read and write (`files`; null: no file access)."
     )
     async def ssh_hosts() -> CallToolResult:
         try:
@@ -315,5 +383,102 @@ def build(front: Front) -> MCPServer:
             content=[TextContent(type="text", text=json.dumps(doc))], structured_content=doc
         )
 
-    del ssh_exec, ssh_hosts, request_status  # registered; the names stay the tools'
+    @server.tool(
+        description="Write one whole file on a host through bastion (replaced if it exists) "
+        "and return its size and sha256. `path` is absolute; the account's `files` rules "
+        "(see ssh_hosts) decide, and on a per-command account a person approves the exact "
+        "bytes on a file card, so the call may wait until they answer."
+    )
+    async def sftp_put(
+        host: Annotated[str, Field(description="Host alias, as ssh_hosts lists it.")],
+        path: Annotated[str, Field(description="The file's absolute path on the host.")],
+        ctx: Context,
+        content: Annotated[
+            str | None, Field(description="The file's content as text (written as UTF-8).")
+        ] = None,
+        content_base64: Annotated[
+            str | None, Field(description="The file's content as base64 (any bytes).")
+        ] = None,
+        user: Annotated[
+            str | None, Field(description="Account on the host (default: its only one).")
+        ] = None,
+        mode: Annotated[
+            str | None, Field(description='Permission bits in octal, e.g. "0644".')
+        ] = None,
+        timeout_s: Annotated[
+            float, Field(description="Seconds before the call is cut off.", gt=0, le=86400)
+        ] = 600,
+    ) -> CallToolResult:
+        try:
+            req = Put.of(host, path, content, content_base64, user, mode, timeout_s)
+            req = replace(req, user=await account(front, host, req.user)).checked()
+        except AgentError as exc:
+            return refused(exc)
+        total = len(req.data)
+
+        async def progress(sent: int, elapsed: float) -> None:
+            doing = "waiting for the gateway" if sent >= total else "sending"
+            message = f"{doing}, {elapsed:.0f} s; {sent} of {total} bytes sent"
+            await ctx.report_progress(elapsed, None, message)
+
+        moved = await sftp_wire.transfer(front.ssh_config, req, progress)
+        if (failed := moved_failure(moved, req)) is not None:
+            return failed
+        doc = {"path": req.path, "size": total, "sha256": sftp_wire.sha256(req.data)}
+        text = f"wrote {total} bytes to {req.path} (sha256 {doc['sha256']})"
+        return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=doc)
+
+    @server.tool(
+        description="Read one file on a host through bastion: its content (text as `content`, "
+        "other bytes as `content_base64`), size and sha256. `path` is absolute; the "
+        "account's `files` rules (see ssh_hosts) decide. At most max_bytes come back, from "
+        "the file's start; `truncated` says there was more (`sha256` is of what came back)."
+    )
+    async def sftp_get(
+        host: Annotated[str, Field(description="Host alias, as ssh_hosts lists it.")],
+        path: Annotated[str, Field(description="The file's absolute path on the host.")],
+        ctx: Context,
+        user: Annotated[
+            str | None, Field(description="Account on the host (default: its only one).")
+        ] = None,
+        max_bytes: Annotated[
+            int | None,
+            Field(description="Most bytes to return (default: the server's --max-output).", gt=0),
+        ] = None,
+        timeout_s: Annotated[
+            float, Field(description="Seconds before the call is cut off.", gt=0, le=86400)
+        ] = 600,
+    ) -> CallToolResult:
+        try:
+            req = Get(host, path, user, max_bytes or front.max_output, timeout_s).checked()
+            req = replace(req, user=await account(front, host, req.user)).checked()
+        except AgentError as exc:
+            return refused(exc)
+
+        async def progress(sent: int, elapsed: float) -> None:
+            await ctx.report_progress(elapsed, None, f"reading, {elapsed:.0f} s")
+
+        moved = await sftp_wire.transfer(front.ssh_config, req, progress)
+        if (failed := moved_failure(moved, req)) is not None:
+            return failed
+        doc: dict[str, Any] = {"path": req.path}
+        try:
+            doc["content"] = moved.data.decode("utf-8")
+            shown_text = doc["content"]
+        except UnicodeDecodeError:
+            doc["content"] = None
+            doc["content_base64"] = base64.b64encode(moved.data).decode()
+            shown_text = "(not UTF-8; base64 in structured content)"
+        doc |= {
+            "size": moved.size,
+            "bytes": len(moved.data),
+            "sha256": sftp_wire.sha256(moved.data),
+            "truncated": moved.truncated,
+        }
+        cut = f", the first {len(moved.data)} of {moved.size} bytes" if moved.truncated else ""
+        text = f"{req.path}: {moved.size} bytes{cut}\n{shown_text}"
+        return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=doc)
+
+    # Registered; the names stay the tools'.
+    del ssh_exec, ssh_hosts, request_status, sftp_put, sftp_get
     return server

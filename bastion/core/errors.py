@@ -46,6 +46,8 @@ class BastionError(Exception):
         │   ├── agent.client.Unsupported -- the model's input, refused before asking
         │   ├── agent.client.Busy -- the gateway did not answer in time
         │   └── agent.client.Declined -- the gateway said no
+        ├── agent.sftp_wire.WireClosed -- the sftp channel ended before the answer came
+        ├── agent.sftp_wire.Status -- an SFTP status other than OK: the target's, or a refusal
         ├── cli.export.ReaderGone -- whoever read the export closed it
         ├── cli.export.Away -- the gateway is not there yet; asking again may work
         ├── cli.export.ExportAborted -- the export stops; asking again will not help

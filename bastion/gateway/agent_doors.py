@@ -206,6 +206,8 @@ def hosts_view(policy: Policy | PolicyError) -> dict[str, Any]:
                         "allow": None if a.allow is None else [r.text for r in a.allow],
                         "preapproved": [r.text for r in a.preapproved],
                         "shell": a.shell.value,
+                        # The paths sftp may read and write (None: no file access).
+                        "files": None if a.file_rules is None else a.file_rules.doc(),
                     }
                     for a in host.accounts
                 ],

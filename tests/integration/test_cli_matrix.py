@@ -333,7 +333,7 @@ def mcp_session(online: bool) -> Callable[[World], None]:
             proc.stdin.close()
             assert proc.wait(20) == 0
         names = {t["name"] for t in replies[2]["result"]["tools"]}
-        assert names == {"ssh_exec", "ssh_hosts", "request_status"}, names
+        assert names == {"ssh_exec", "ssh_hosts", "request_status", "sftp_get", "sftp_put"}, names
         result = replies[3]["result"]
         text = result["content"][0]["text"]
         if online:

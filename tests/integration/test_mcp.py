@@ -18,7 +18,7 @@ from bastion.devtools.sshd_fixture import Sshd, SshdInfo
 from tests.harness import USER, Bastion, make_bastion, policy_toml, wait_for
 from tests.mcp_client_helper import McpClient, error_of
 
-TOOLS = {"ssh_exec", "ssh_hosts", "request_status"}
+TOOLS = {"ssh_exec", "ssh_hosts", "request_status", "sftp_get", "sftp_put"}
 
 
 def state(b: Bastion, request_id: str) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def test_bad_arguments_are_unsupported_and_name_the_argument(
 def test_an_unknown_tool_is_unsupported_and_names_the_tools(front: mcp_front.Front) -> None:
     error = call(front, "ssh_exec_locally", command="id")
     assert error["code"] == "UNSUPPORTED_REQUEST", error
-    assert "request_status, ssh_exec, ssh_hosts" in error["message"], error
+    assert "request_status, sftp_get, sftp_put, ssh_exec, ssh_hosts" in error["message"], error
 
 
 def test_a_crash_is_internal_and_says_what_to_do(
