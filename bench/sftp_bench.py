@@ -10,6 +10,8 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +56,28 @@ def _transfer(argv: list[str], batch: Path) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def bench(root: Path, mb: int, runs: int) -> dict[str, Any]:
+def _spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy (`pip install py-spy`) on the gateway, in its raw format (flamegraph.pl's)."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
+    argv = [
+        found,
+        "record",
+        *(["--native"] if os.environ.get("SPY_NATIVE") else ["--nonblocking"]),
+        "--format",
+        "raw",
+        "--rate",
+        "200",
+    ]
+    return subprocess.Popen(
+        [*argv, "-o", str(out), "--pid", str(pid)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def bench(root: Path, mb: int, runs: int, profile: Path | None = None) -> dict[str, Any]:
     key = root / "id_ed25519"
     keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f", str(key)]
     subprocess.run(keygen, check=True, timeout=30)
@@ -83,11 +106,18 @@ def bench(root: Path, mb: int, runs: int) -> dict[str, Any]:
             "direct": {"up": [], "down": []},
             "bastion": {"up": [], "down": []},
         }
-        for _ in range(runs):
+        for i in range(runs):
             for name, argv in (("direct", direct), ("bastion", through)):
                 batch = root / f"{name}.batch"
                 batch.write_text(f"put {blob} {remote}/{name}\nget {remote}/{name} {got}\n")
+                spy = None
+                if profile is not None and name == "bastion" and i == runs - 1:
+                    spy = _spy(bastion.gateway_pid, profile)
+                    time.sleep(1)  # py-spy attaches
                 up, down = _transfer(argv, batch)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                    spy.wait(60)
                 for path in (remote / name, got):
                     if hashlib.sha256(path.read_bytes()).hexdigest() != want:
                         raise RuntimeError(f"{name}: {path} is not the bytes sent")
@@ -114,10 +144,11 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", type=Path, help="py-spy raw profile of the last bastion run")
     args = parser.parse_args()
     base = Path(os.environ.get("TMPDIR", "/var/tmp"))
     with tempfile.TemporaryDirectory(prefix="bastion-sftp-bench-", dir=base) as tmp:
-        r = bench(Path(tmp), args.mb, args.runs)
+        r = bench(Path(tmp), args.mb, args.runs, args.profile)
     if args.json:
         print(json.dumps(r, indent=2))
         return

@@ -417,6 +417,27 @@ class _File:
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Task[Any] | None = None
     refused: asyncssh.SFTPError | None = None
+    read_len: int = 0  # a file only read: the most the target reads at once
+
+
+async def read_through(remote: Any, read_len: int, offset: int, size: int) -> bytes:
+    """An agent's read: one target request when the target reads that much at once (an
+    OpenSSH client asks as much as we advertise, 255 KiB of an OpenSSH target), without
+    asyncssh's machinery for splitting one read into many (a task, a buffer, two copies);
+    else in the target's pieces at once, the bytes up to the first short piece."""
+    if size <= read_len:
+        one: bytes = await remote.read(size, offset)
+        return one
+    ats = range(offset, offset + size, read_len)
+    parts = await asyncio.gather(
+        *(remote.read(min(read_len, offset + size - at), at) for at in ats)
+    )
+    out = bytearray()
+    for part in parts:
+        out += part
+        if len(part) < read_len:
+            break
+    return bytes(out)
 
 
 def _mode(attrs: asyncssh.SFTPAttrs) -> int | None:
@@ -479,7 +500,10 @@ class Brokered(asyncssh.SFTPServer):
         f.opened = loop.create_future()
 
         async def carry(client: asyncssh.SFTPClient) -> None:
-            f.remote = await client.open(where, pflags, attrs, encoding=None)
+            # A file only read is read one target request per agent read (`read_through`).
+            block = -1 if writes else 0
+            f.remote = await client.open(where, pflags, attrs, encoding=None, block_size=block)
+            f.read_len = 0 if writes else client.limits.max_read_len
             assert f.opened is not None
             f.opened.set_result(None)
             try:
@@ -507,7 +531,10 @@ class Brokered(asyncssh.SFTPServer):
         if f.remote is None or not f.pflags & FXF_READ:
             raise _err(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for reading")
         try:
-            data: bytes = await f.remote.read(size, offset)
+            if f.read_len:
+                data = await read_through(f.remote, f.read_len, offset, size)
+            else:
+                data = await f.remote.read(size, offset)
         except (OSError, asyncssh.Error) as exc:
             raise _as_sftp(exc) from None
         f.stream.add(offset, data)

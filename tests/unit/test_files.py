@@ -319,3 +319,39 @@ def test_bastion_approve_renders_a_file_card() -> None:
     text = render_card(card.as_json(), details=True)
     assert "change a file" in text and "write /srv/app/f" in text
     assert f"sha256:   {op.sha256}" in text and "size:     7 bytes" in text and "0640" in text
+
+
+class _Target:
+    """A target file of `data`, read as an OpenSSH sftp-server reads: at most `most` bytes
+    a request, b"" past the end; it counts the requests."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self.data, self.most, self.asked = data, most, 0
+
+    async def read(self, size: int, offset: int) -> bytes:
+        self.asked += 1
+        return self.data[offset : offset + min(size, self.most)]
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "requests"),
+    [
+        (0, 1000, 1),  # within the target's read length: one request
+        (0, 4096, 4),  # larger: the target's pieces, at once
+        (500, 4096, 4),
+        (9000, 4096, 4),  # reaches the end: the bytes there are
+        (20000, 4096, 4),  # past the end: none
+    ],
+)
+def test_a_read_through_gives_the_agent_exactly_the_targets_bytes(
+    offset: int, size: int, requests: int
+) -> None:
+    import asyncio
+
+    from bastion.gateway.sftp import read_through
+
+    data = bytes(range(256)) * 40  # 10240 bytes
+    target = _Target(data, 1024)
+    got = asyncio.run(read_through(target, 1024, offset, size))
+    assert got == data[offset : offset + size]
+    assert target.asked == requests
