@@ -94,7 +94,9 @@ def test_an_agent_in_a_tmux_pane_is_its_own_subject_and_the_operator_approves_fr
     out = tmp_path / "agent-out"
     tmux.type(
         agent_pane,
-        f"ssh -F {bastion.config} web1 'echo from-the-pane' > {out} 2>&1; echo $? > {out}.rc",
+        # stderr apart: the gateway's waiting line is there while the card waits
+        f"ssh -F {bastion.config} web1 'echo from-the-pane' > {out} 2> {out}.err; "
+        f"echo $? > {out}.rc",
     )
     card = bastion.next_card()
     assert card["subject"]["pid"] == tmux.pane_pid(agent_pane)  # the pane's shell, not tmux
