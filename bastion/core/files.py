@@ -258,6 +258,26 @@ def problem(path: str) -> str | None:
         return "a path with a NUL byte"
     if len(path) > MAX_PATH:
         return f"a path longer than {MAX_PATH} bytes"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a path that is not UTF-8 (bastion carries UTF-8 paths only)"
+    return None
+
+
+def op_problem(op: FileOp) -> str | None:
+    """Why this operation's paths cannot be carried to the target exactly, or None. Only
+    a realpath may name a relative path: it is how a client learns where home is; any
+    other was made absolute against that home, so one still relative came before it."""
+    for path in filter(None, (op.path, op.to)):
+        bad = problem(path)
+        if bad is None and op.kind is not FileKind.REALPATH and not path.startswith("/"):
+            bad = (
+                "a relative path before the target said where the home directory is "
+                "(ask realpath('.') first, or give an absolute path)"
+            )
+        if bad is not None:
+            return bad
     return None
 
 

@@ -53,8 +53,14 @@ from bastion.core.defaults import (
     MAX_FILE_CARD_BYTES,
     MAX_PENDING_CARDS_PER_TENANT,
 )
-from bastion.core.files import FileCheck, FileKind, FileOp, check_file, needs_file_card
-from bastion.core.files import problem as file_problem
+from bastion.core.files import (
+    FileCheck,
+    FileKind,
+    FileOp,
+    check_file,
+    needs_file_card,
+    op_problem,
+)
 from bastion.core.policy import (
     Account,
     ApprovalMode,
@@ -454,10 +460,8 @@ def unsupported(req: Request, world: World) -> str | None:
         if refused is not None:
             return refused
     if req.file is not None:
-        for path in filter(None, (req.file.path, req.file.to)):
-            if (bad := file_problem(path)) is not None:
-                return malformed(bad).message
-        return None
+        bad = op_problem(req.file)
+        return None if bad is None else malformed(bad).message
     problem = validate_command(req.command) or stdin_problem(req.stdin)
     if problem is not None:
         return malformed(problem).message

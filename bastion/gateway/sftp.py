@@ -57,7 +57,7 @@ from asyncssh.sftp import SFTPServerHandler
 from bastion.core.contract import Failure
 from bastion.core.defaults import MAX_FILE_CARD_BYTES
 from bastion.core.events import Outcome, Result
-from bastion.core.files import FileKind, FileOp, absolute, problem, sftp_status
+from bastion.core.files import FileKind, FileOp, absolute, sftp_status
 from bastion.core.gate import Channel, Dispatch, Request, file_resolved
 from bastion.core.policy import Account, ApprovalMode, Host, Policy
 from bastion.core.refusals import lost
@@ -266,21 +266,13 @@ class Broker:
     # -- paths --------------------------------------------------------------------------
 
     def path(self, raw: bytes) -> str:
-        """The agent's path as the gate reads it: UTF-8, absolute, folded."""
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _err(asyncssh.FX_NO_SUCH_FILE, "bastion carries UTF-8 paths only") from None
-        if problem(text) is None:
-            made = absolute(text, self.home)
-            if made is None:
-                raise _err(
-                    asyncssh.FX_NO_SUCH_FILE,
-                    "a relative path before the home directory is known: "
-                    "ask realpath('.') first, or give an absolute path",
-                )
-            return made
-        return text  # the gate refuses it, with its words
+        """The agent's path as the gate reads it: absolute and folded where it can be;
+        one that cannot be carried exactly (not UTF-8, a NUL, relative before the home
+        is known) goes to the gate as sent, which refuses it in its words, journaled."""
+        text = raw.decode("utf-8", "surrogateescape")
+        if not text or "\0" in text:
+            return text
+        return absolute(text, self.home) or text
 
     async def resolved(self, client: asyncssh.SFTPClient, op: FileOp) -> tuple[str, ...]:
         """Where the target says the operation's paths lead: each one's realpath, or its

@@ -360,3 +360,29 @@ def test_no_file_content_reaches_the_witness_syslog(
     finally:
         b.close()
         collector.stop()
+
+
+def test_a_path_that_cannot_be_carried_is_refused_by_the_gate_and_journaled(
+    session_files: Bastion, area: Path
+) -> None:
+    """A path that is not UTF-8, or relative before the target said where home is, is
+    a request the gate refuses (`UNSUPPORTED_REQUEST`, journaled `denied`), not a
+    status the gateway makes up on the side. Control: the same client's valid path."""
+    b = session_files
+    approver = Approver(b)
+    try:
+        transport, sftp = paramiko_sftp(b)
+        for bad in (f"{area}/rw/".encode() + b"\xff", b"relative.txt"):
+            with pytest.raises(OSError):
+                sftp.stat(bad)
+        (area / "rw" / "ok.txt").write_bytes(b"ok")
+        assert sftp.stat(f"{area}/rw/ok.txt").st_size == 2
+        sftp.close()
+        transport.close()
+    finally:
+        approver.close()
+    rows = activity(b)
+    refused = [r for r in rows if r.get("code") == "UNSUPPORTED_REQUEST"]
+    assert len(refused) == 2, rows
+    said = exported(b)
+    assert "not UTF-8" in said and "a relative path before the target said" in said
