@@ -391,7 +391,11 @@ def _through_local_forward(target: Target, creds: Creds, tmp_path: Path) -> tupl
             wait_for(lambda: "open failed" in err_path.read_text(), timeout=SSH_TIMEOUT)
     finally:
         client.terminate()
-        client.wait(timeout=SSH_TIMEOUT)
+        try:
+            client.wait(timeout=SSH_TIMEOUT)
+        except subprocess.TimeoutExpired:  # seen once on a loaded CI machine: SIGTERM unheeded
+            client.kill()
+            client.wait(timeout=SSH_TIMEOUT)
     return got, err_path.read_text()
 
 
