@@ -30,3 +30,7 @@ STDIN_PREVIEW = 512  # bytes of stdin a card shows, escaped like a command
 # The largest write a per-command account's file card can hold: the gateway buffers it
 # whole (in memory) so the operator approves its exact sha256; larger is refused.
 MAX_FILE_CARD_BYTES = 64 * 1024 * 1024
+# Bytes of such writes one tenant may hold in the gateway at once, over all its files and
+# connections: past it a write is refused (GATEWAY_BUSY), so no agent can fill the
+# gateway's memory with uploads it never closes.
+MAX_HELD_BYTES_PER_TENANT = 256 * 1024 * 1024

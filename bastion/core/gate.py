@@ -51,6 +51,7 @@ from bastion.core.contract import NOT_SENT, Code, EndReason, Failure, Refusal
 from bastion.core.defaults import (
     MAX_COMMAND_BYTES,
     MAX_FILE_CARD_BYTES,
+    MAX_HELD_BYTES_PER_TENANT,
     MAX_PENDING_CARDS_PER_TENANT,
 )
 from bastion.core.files import (
@@ -199,6 +200,7 @@ class World:
     records_lost: bool = False  # a journal record was lost since the request was received
     witness_refusing: str | None = None  # why the witness takes no new work, or None
     cards_waiting: int = 0  # cards of the subject's tenant waiting for an operator
+    held_bytes: int = 0  # bytes of per-command uploads its tenant holds for their file cards
     tenant: str = ""  # that tenant, as the agent is told of it
     own_connection: bool | None = None  # later channel: only its client can send (None: unseen)
 
@@ -518,7 +520,17 @@ def intake(req: Request, world: World) -> Refusal | None:
 
 def crowded(world: World) -> Refusal | None:
     """A cap on waiting cards per tenant (the subject's registered run, else its uid):
-    an agent cannot bury the operator, nor take another run's share."""
+    an agent cannot bury the operator, nor take another run's share; and a cap on the
+    bytes of uploads it holds in the gateway for their file cards, so it cannot fill the
+    gateway's memory either."""
+    if world.held_bytes > MAX_HELD_BYTES_PER_TENANT:
+        return Refusal(
+            Code.GATEWAY_BUSY,
+            f"Uploads from {world.tenant} waiting for their file cards already hold "
+            f"{world.held_bytes} bytes in the gateway (the limit is "
+            f"{MAX_HELD_BYTES_PER_TENANT}). Nothing was sent; finish or abandon those "
+            "uploads, then send this one again.",
+        )
     if world.cards_waiting < MAX_PENDING_CARDS_PER_TENANT:
         return None
     return Refusal(

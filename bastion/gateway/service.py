@@ -25,6 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -245,6 +246,8 @@ class Service:
         # request's streams.
         self.take_stdin = take_stdin
         self.actions = ActionKeys()
+        # Bytes of per-command uploads each tenant holds for their file cards (`sftp`).
+        self.held: Counter[Tenant] = Counter()
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
         book.on_card = self._card_event
@@ -298,6 +301,7 @@ class Service:
             cards_waiting=sum(
                 1 for c in self.book.pending() if Tenant.of_subject(c.subject) == tenant
             ),
+            held_bytes=self.held[tenant],
             tenant=str(tenant),
         )
 

@@ -55,7 +55,7 @@ from asyncssh.packet import PacketDecodeError, SSHPacket
 from asyncssh.sftp import SFTPServerHandler
 
 from bastion.core.contract import Failure
-from bastion.core.defaults import MAX_FILE_CARD_BYTES
+from bastion.core.defaults import MAX_FILE_CARD_BYTES, MAX_HELD_BYTES_PER_TENANT
 from bastion.core.events import Outcome, Result
 from bastion.core.files import FileKind, FileOp, absolute, sftp_status
 from bastion.core.gate import Channel, Dispatch, Request, file_resolved
@@ -64,6 +64,7 @@ from bastion.core.refusals import lost
 from bastion.gateway.intent import Intent
 from bastion.gateway.mux import MuxView
 from bastion.gateway.service import AgentConn, Service, new_request_id
+from bastion.gateway.tenants import Tenant
 
 log = logging.getLogger("bastion.sftp")
 
@@ -234,6 +235,7 @@ class Broker:
         self.stderr = stderr
         self.open_sftp = open_sftp
         self.wait_line: str | None = None  # the agent's BASTION_WAIT_LINE, if it sent one
+        self.holding = 0  # bytes this channel's open files hold for their file cards
         self.later: Later | None = None  # a later channel of its connection (`serve`)
         self.home: str | None = None
         self.ending = False
@@ -257,7 +259,27 @@ class Broker:
                 lease = self._lease = _Lease(client, give_back, epoch)
             return lease.client
 
+    # -- uploads held for their file cards ------------------------------------------
+
+    def hold(self, size: int) -> bool:
+        """Count `size` more bytes held for a file card against the tenant's share
+        (`Service.held`); False when the share is then over its cap (the gate refuses)."""
+        tenant = Tenant.of_subject(self.conn.peer.subject)
+        self.service.held[tenant] += size
+        self.holding += size
+        return self.service.held[tenant] <= MAX_HELD_BYTES_PER_TENANT
+
+    def release(self, size: int) -> None:
+        """Held bytes given back: written, refused, abandoned, or cut."""
+        size = min(size, self.holding)
+        tenant = Tenant.of_subject(self.conn.peer.subject)
+        self.holding -= size
+        self.service.held[tenant] -= size
+        if self.service.held[tenant] <= 0:
+            del self.service.held[tenant]
+
     async def close(self) -> None:
+        self.release(self.holding)  # files the agent never closed hold nothing any more
         lease, self._lease = self._lease, None
         if lease is not None:
             with contextlib.suppress(Exception):
@@ -540,11 +562,7 @@ class Brokered(asyncssh.SFTPServer):
             raise f.refused
         if f.held is not None:
             end = offset + len(data)
-            if end > MAX_FILE_CARD_BYTES:
-                f.refused = await self._too_large(f, end)
-                raise f.refused
-            if end > len(f.held):
-                f.held.extend(bytes(end - len(f.held)))
+            await self._grow(f, end)
             f.held[offset:end] = data
             return len(data)
         f.stream.add(offset, data)
@@ -554,14 +572,29 @@ class Brokered(asyncssh.SFTPServer):
             raise _as_sftp(exc) from None
         return len(data)
 
-    async def _too_large(self, f: _File, size: int) -> asyncssh.SFTPError:
-        """The gate's refusal of a held write past the card's bound, as it happens."""
-        f.held = bytearray()
+    async def _grow(self, f: _File, end: int) -> None:
+        """A held file grown to `end` bytes, within the card's bound and the tenant's
+        share of held bytes; past either, the gate's refusal, as it happens."""
+        assert f.held is not None
+        growth = end - len(f.held)
+        if growth <= 0:
+            return
+        if end > MAX_FILE_CARD_BYTES or not self.broker.hold(growth):
+            f.refused = await self._refuse_held(f, end, growth)
+            raise f.refused
+        f.held.extend(bytes(growth))
+
+    async def _refuse_held(self, f: _File, size: int, growth: int) -> asyncssh.SFTPError:
+        """The gate's refusal of a held write past the card's bound or the tenant's share
+        (its world sees the share counted with this growth); then the bytes are let go."""
         op = FileOp(FileKind.WRITE, f.path, size=size, mode=_mode(f.attrs))
         try:
             await self.broker.request(op, _never)
         except asyncssh.SFTPError as exc:
             return exc
+        finally:
+            self.broker.release(len(f.held or b"") + (growth if size <= MAX_FILE_CARD_BYTES else 0))
+            f.held = bytearray()
         return _err(asyncssh.FX_FAILURE, "refused")  # pragma: no cover -- the gate refuses
 
     async def close(self, file_obj: object) -> None:
@@ -570,6 +603,7 @@ class Brokered(asyncssh.SFTPServer):
             if f.refused is not None:
                 raise f.refused
             if self.broker.ending:
+                self.broker.release(len(f.held))
                 f.held = None  # cut off before its close: no card, nothing written
                 return
             await self._write_held(f)
@@ -596,7 +630,10 @@ class Brokered(asyncssh.SFTPServer):
                     )
                 )
 
-        await self.broker.request(op, carry, lambda: (len(data), digest))
+        try:
+            await self.broker.request(op, carry, lambda: (len(data), digest))
+        finally:
+            self.broker.release(len(data))  # held until its card was answered and written
 
     def _file(self, file_obj: object) -> _File:
         if not isinstance(file_obj, _File):
@@ -620,9 +657,12 @@ class Brokered(asyncssh.SFTPServer):
             # and sftp truncate so); its times are the target's.
             if attrs.permissions is not None:
                 f.attrs = asyncssh.SFTPAttrs(permissions=attrs.permissions)
-            if attrs.size is not None and attrs.size <= MAX_FILE_CARD_BYTES:
-                del f.held[attrs.size :]
-                f.held.extend(bytes(attrs.size - len(f.held)))
+            if attrs.size is not None:
+                if attrs.size < len(f.held):
+                    self.broker.release(len(f.held) - attrs.size)
+                    del f.held[attrs.size :]
+                else:
+                    await self._grow(f, attrs.size)
             return
         await self.setstat(f.path.encode("utf-8"), attrs)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bastion.core.defaults import MAX_HELD_BYTES_PER_TENANT
 from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import (
@@ -386,3 +387,48 @@ def test_a_path_that_cannot_be_carried_is_refused_by_the_gate_and_journaled(
     assert len(refused) == 2, rows
     said = exported(b)
     assert "not UTF-8" in said and "a relative path before the target said" in said
+
+
+def test_uploads_held_for_file_cards_have_a_share_and_give_it_back(
+    bastion: Bastion, area: Path
+) -> None:
+    """A per-command account's uploads are held in the gateway until their cards are
+    answered; a tenant holding MAX_HELD_BYTES_PER_TENANT over several open files (never
+    closed) gets GATEWAY_BUSY for the write past it, journaled denied, and nothing of it
+    reaches the target. Control: once that connection is gone its bytes are given back,
+    and the next upload raises its file card as any does."""
+    b = bastion
+    b.write_policy(inline_tables(files_policy(b.sshd, area, approval="per-command")))
+    chunk = os.urandom(1024 * 1024)
+    approver = Approver(b)  # the session card
+    try:
+        transport, sftp = paramiko_sftp(b)
+        held = []
+        with pytest.raises(OSError):
+            for i in range(MAX_HELD_BYTES_PER_TENANT // (64 * 1024 * 1024) + 1):
+                f = sftp.open(f"{area}/rw/held-{i}.bin", "wb")
+                f.set_pipelined(True)
+                held.append(f)
+                for _ in range(64):  # 64 MiB: the most one file card holds
+                    f.write(chunk)
+                f.flush()
+        transport.close()
+    finally:
+        approver.close()
+    busy = [r for r in activity(b) if r.get("code") == "GATEWAY_BUSY"]
+    assert busy, activity(b)
+    assert not list((area / "rw").glob("held-*"))
+    wait_for(lambda: "GATEWAY_BUSY" in b.log.read_text(), 30)
+
+    # Given back: a small upload from a new connection asks its file card, and lands.
+    approver = Approver(b)
+    try:
+        transport, sftp = paramiko_sftp(b)
+        with sftp.open(f"{area}/rw/after.bin", "wb") as f:
+            f.write(b"small")
+        sftp.close()
+        transport.close()
+    finally:
+        approver.close()
+    assert (area / "rw" / "after.bin").read_bytes() == b"small"
+    assert any(c.get("file") for c in approver.cards)

@@ -11,7 +11,7 @@ import pytest
 
 from bastion.core.binding import Binding
 from bastion.core.contract import Code, Refusal
-from bastion.core.defaults import MAX_PENDING_CARDS_PER_TENANT
+from bastion.core.defaults import MAX_HELD_BYTES_PER_TENANT, MAX_PENDING_CARDS_PER_TENANT
 from bastion.core.files import FileKind, FileOp
 from bastion.core.gate import (
     MAX_COMMAND_BYTES,
@@ -280,6 +280,7 @@ REFUSALS: list[tuple[str, Code, str]] = [
     ("certify_problem", Code.POLICY_UNAVAILABLE, "per-command certificates"),
     ("action_unknown", Code.ACTION_OUTCOME_UNKNOWN, "ended with an unknown outcome"),
     ("subject_dead", Code.SESSION_DENIED, "has exited"),
+    ("held_over", Code.GATEWAY_BUSY, "waiting for their file cards already hold"),
     ("cards_at_cap", Code.GATEWAY_BUSY, "approval cards from uid 1000"),
 ]
 CHANNELS = [c for c in Channel if c is not Channel.EXEC]
@@ -385,6 +386,7 @@ def refused_world(facts: dict[str, object], sharing: str) -> World:
         action_unknown="req_9" if facts.get("action_unknown") else None,
         subject_alive=not facts.get("subject_dead"),
         cards_waiting=MAX_PENDING_CARDS_PER_TENANT if facts.get("cards_at_cap") else 0,
+        held_bytes=MAX_HELD_BYTES_PER_TENANT + 1 if facts.get("held_over") else 0,
         tenant="uid 1000",
         subject_is_run=SHARING[sharing][0],
         mux_clients_in_run=SHARING[sharing][1],
