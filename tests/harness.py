@@ -208,8 +208,16 @@ def policy_toml(
         "",
         f"[[hosts.{alias}.accounts]]",
     ]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in acct.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in acct.items()]
     return "\n".join(lines) + "\n"
+
+
+def toml_value(value: object) -> str:
+    """A policy value in TOML: JSON's spelling, but a table inline (`files = { read = [...]
+    }`), which JSON's braces are not."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
 
 
 def cli_argv(home: Path, *args: str) -> list[str]:

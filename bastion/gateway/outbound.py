@@ -31,7 +31,7 @@ from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.core.terminal import Terminal, modes_of
 from bastion.gateway.pool import Connect, Pool
-from bastion.gateway.stdin import Fed
+from bastion.gateway.stdin import CHANNEL_REQUESTS, Fed
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
@@ -44,9 +44,6 @@ OUTBOUND_CIPHERS = [
     "aes128-ctr",
     "aes256-ctr",
 ]
-# What asyncssh raises from an agent's stdin for a signal, break or window-change
-# request: never data, and never the end of it (the relay must go on to the EOF).
-_CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.TerminalSizeChanged)
 # Channel refusals (MaxSessions) one command rides out: each lowers a connection's
 # capacity for good, so a burst learns the target's limit within a few of them.
 REFUSED_RETRIES = 16
@@ -406,7 +403,7 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
             while True:
                 try:
                     data = await agent.stdin.read(CHUNK)
-                except _CHANNEL_REQUESTS:  # not data: agent_channel refuses these first
+                except CHANNEL_REQUESTS:  # not data: agent_channel refuses these first
                     continue
                 if not data:
                     break

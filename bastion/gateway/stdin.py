@@ -33,8 +33,9 @@ from bastion.core.defaults import MAX_CARD_STDIN, STDIN_DEADLINE, STDIN_WAIT
 from bastion.core.stdin import Stdin, StdinEnd
 
 CHUNK = 64 * 1024
-# Not data, and never the end of it (agent_channel refuses these before they get here).
-_CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.TerminalSizeChanged)
+# What asyncssh raises from an agent's stdin for a signal, break or window-change
+# request: never data, and never the end of it (the relay must go on to the EOF).
+CHANNEL_REQUESTS = (asyncssh.SignalReceived, asyncssh.BreakReceived, asyncssh.TerminalSizeChanged)
 
 
 class Fed:
@@ -81,7 +82,7 @@ async def read_whole(
             data = await asyncio.wait_for(reader.read(min(CHUNK, limit + 1 - size)), left)
         except TimeoutError:  # silence, or the deadline: what came is not all of it
             return b"".join(chunks), StdinEnd.UNFINISHED if size else StdinEnd.SILENT
-        except _CHANNEL_REQUESTS:
+        except CHANNEL_REQUESTS:  # not data, never its end (agent_channel refuses them)
             continue
         except (OSError, asyncssh.Error):  # the agent's channel failed: never seen whole
             return b"".join(chunks), StdinEnd.UNFINISHED

@@ -41,18 +41,6 @@ def files_policy(sshd: SshdInfo, root: Path, **account: Any) -> str:
     return policy_toml(sshd, files=files, **account)
 
 
-def inline_tables(text: str) -> str:
-    """`policy_toml` writes JSON values; TOML wants an inline table for `files`."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("files = "):
-            doc = json.loads(line[len("files = ") :])
-            body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in doc.items())
-            line = f"files = {{ {body} }}"
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
 @pytest.fixture
 def area(tmp_path: Path) -> Path:
     root = tmp_path / "target"
@@ -63,7 +51,7 @@ def area(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def session_files(bastion: Bastion, area: Path) -> Bastion:
-    bastion.write_policy(inline_tables(files_policy(bastion.sshd, area)))
+    bastion.write_policy(files_policy(bastion.sshd, area))
     return bastion
 
 
@@ -199,7 +187,7 @@ def test_a_symlink_out_of_the_rules_is_refused(
 
 def test_per_command_upload_is_a_file_card(bastion: Bastion, area: Path, tmp_path: Path) -> None:
     b = bastion
-    b.write_policy(inline_tables(files_policy(b.sshd, area, approval="per-command")))
+    b.write_policy(files_policy(b.sshd, area, approval="per-command"))
     agent = b.agent()
     data = payload(300_000)
     local = tmp_path / "f.bin"
@@ -341,7 +329,7 @@ def test_no_file_content_reaches_the_witness_syslog(
     collector = Rsyslog(tmp_path / "rsyslog").start()
     b = make_bastion(tmp_path / "home", sshd, client_key[0], start=False)
     try:
-        b.write_policy(inline_tables(files_policy(sshd, area)))
+        b.write_policy(files_policy(sshd, area))
         write_bastion_toml(b, f'[witness]\nsyslog = "{collector.tcp}"\n')
         b.start_daemon()
         b.unlock()
@@ -398,7 +386,7 @@ def test_uploads_held_for_file_cards_have_a_share_and_give_it_back(
     reaches the target. Control: once that connection is gone its bytes are given back,
     and the next upload raises its file card as any does."""
     b = bastion
-    b.write_policy(inline_tables(files_policy(b.sshd, area, approval="per-command")))
+    b.write_policy(files_policy(b.sshd, area, approval="per-command"))
     chunk = os.urandom(1024 * 1024)
     approver = Approver(b)  # the session card
     try:

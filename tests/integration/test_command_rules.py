@@ -30,7 +30,7 @@ import pytest
 
 from bastion.data import EXAMPLE_POLICY
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, find_template
-from tests.harness import USER, Agent, Bastion, make_bastion
+from tests.harness import USER, Agent, Bastion, make_bastion, toml_value
 
 CORPUS: list[dict[str, Any]] = tomllib.loads(
     (Path(__file__).resolve().parents[1] / "data" / "bypass_corpus.toml").read_text()
@@ -279,13 +279,6 @@ def example_accounts() -> list[tuple[str, dict[str, Any]]]:
             alias = f"{host}-{account['user']}".replace(".", "-")
             out.append((alias, account))
     return out
-
-
-def toml_value(value: object) -> str:
-    """A TOML value: JSON's spelling, but a table inline (`files = { read = [...] }`)."""
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(value)
 
 
 def example_policy(sshd: SshdInfo) -> str:

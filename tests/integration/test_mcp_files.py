@@ -27,21 +27,9 @@ from tests.mcp_client_helper import McpClient, error_of
 MARKER = b"BASTION-MCP-CONTENT-MARKER-51c9"
 
 
-def toml_files(text: str) -> str:
-    """`policy_toml` writes JSON values; TOML wants an inline table for `files`."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("files = "):
-            doc = json.loads(line[len("files = ") :])
-            body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in doc.items())
-            line = f"files = {{ {body} }}"
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
 def files_policy(sshd: SshdInfo, root: Path, **account: Any) -> str:
     files = {"read": [f"{root}/readable/**", f"{root}/rw/**"], "write": [f"{root}/rw/**"]}
-    return toml_files(policy_toml(sshd, files=files, **account))
+    return policy_toml(sshd, files=files, **account)
 
 
 @pytest.fixture
