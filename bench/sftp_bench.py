@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -40,20 +42,32 @@ def _approve_all(bastion: Bastion, stop: threading.Event) -> None:
             return  # the gateway is stopping
 
 
-def _transfer(argv: list[str], batch: Path) -> tuple[float, float]:
-    """(seconds up, seconds down) of one `sftp -b` session: put, then get, each timed
-    by the wall clock around a batch of its own (so the session setup is in both)."""
-    times = []
+def _cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) the gateway has used so far; 0 for a direct run."""
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def _transfer(
+    argv: list[str], batch: Path, gateway: int | None = None
+) -> tuple[float, float, float, float]:
+    """(seconds up, seconds down, gateway CPU seconds up, down) of one `sftp -b` session:
+    put, then get, each timed by the wall clock around a batch of its own (so the session
+    setup is in both). The CPU seconds hold under load, where the wall time does not."""
+    times, cpu = [], []
     for line in batch.read_text().splitlines():
         one = batch.with_suffix(".one")
         one.write_text(line + "\n")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu(gateway)
         cmd = [*argv[:-1], "-b", str(one), argv[-1]]
         r = subprocess.run(cmd, capture_output=True, timeout=600)
         times.append(time.perf_counter() - t0)
+        cpu.append(_cpu(gateway) - c0)
         if r.returncode != 0:
             raise RuntimeError(f"{argv[0]} failed: {r.stderr.decode(errors='replace')[-500:]}")
-    return times[0], times[1]
+    return times[0], times[1], cpu[0], cpu[1]
 
 
 def _spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
@@ -106,6 +120,7 @@ def bench(root: Path, mb: int, runs: int, profile: Path | None = None) -> dict[s
             "direct": {"up": [], "down": []},
             "bastion": {"up": [], "down": []},
         }
+        cpu: dict[str, list[float]] = {"up": [], "down": []}
         for i in range(runs):
             for name, argv in (("direct", direct), ("bastion", through)):
                 batch = root / f"{name}.batch"
@@ -114,7 +129,8 @@ def bench(root: Path, mb: int, runs: int, profile: Path | None = None) -> dict[s
                 if profile is not None and name == "bastion" and i == runs - 1:
                     spy = _spy(bastion.gateway_pid, profile)
                     time.sleep(1)  # py-spy attaches
-                up, down = _transfer(argv, batch)
+                gateway = bastion.gateway_pid if name == "bastion" else None
+                up, down, cpu_up, cpu_down = _transfer(argv, batch, gateway)
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                     spy.wait(60)
@@ -125,12 +141,16 @@ def bench(root: Path, mb: int, runs: int, profile: Path | None = None) -> dict[s
                 (remote / name).unlink()
                 rows[name]["up"].append(up)
                 rows[name]["down"].append(down)
+                if gateway is not None:
+                    cpu["up"].append(cpu_up)
+                    cpu["down"].append(cpu_down)
         out: dict[str, Any] = {"mb": mb, "runs": runs}
         for name, row in rows.items():
             for way, xs in row.items():
                 out[f"{name}_{way}_mb_s"] = mb / statistics.median(xs)
         for way in ("up", "down"):
             out[f"ratio_{way}"] = out[f"bastion_{way}_mb_s"] / out[f"direct_{way}_mb_s"]
+            out[f"gateway_cpu_{way}_s_per_100mb"] = statistics.median(cpu[way]) * 100 / mb
         return out
     finally:
         stop.set()
@@ -156,7 +176,8 @@ def main() -> None:
     for way in ("up", "down"):
         print(
             f"  {way:<4}  direct {r[f'direct_{way}_mb_s']:6.1f} MB/s   "
-            f"bastion {r[f'bastion_{way}_mb_s']:6.1f} MB/s   ratio {r[f'ratio_{way}']:.2f}x"
+            f"bastion {r[f'bastion_{way}_mb_s']:6.1f} MB/s   ratio {r[f'ratio_{way}']:.2f}x   "
+            f"gateway CPU {r[f'gateway_cpu_{way}_s_per_100mb']:.2f} s/100 MB"
         )
 
 

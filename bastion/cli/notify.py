@@ -2,10 +2,13 @@
 
 Two signals: the terminal bell (the prompt writes it, only on a terminal) and,
 where `notify-send` exists, a desktop notification. The notification names
-the account, the host and the asking program -- never the command text unless
+the account, the host, the run (its label) and the asking program -- never the
+command text unless
 the operator asked for it (`bastion approve --notify-command`): a desktop
 notification shows on a screen others may see, stays in a history and may be
-mirrored to a phone, and a command can carry a secret.
+mirrored to a phone, and a command can carry a secret. Nor does it carry an
+action (no `--action` button): a card is answered in `bastion approve` only,
+where the guard time and the confirmation apply.
 
 `notify-send` runs beside the prompt, never in its way: started without
 waiting, killed if it hangs (no session bus, a stuck notification daemon),
@@ -72,7 +75,13 @@ def notification_for(card: dict[str, Any], with_command: bool = False) -> Notifi
     s = card.get("subject") or {}
     exe = _plain(os.path.basename(str(s.get("exe", ""))) or "?")
     what = "a command" if card.get("kind") == "command" else "a session"
-    lines = [f"{exe} (pid {_plain(s.get('pid'))}) asks for {what}; answer in bastion approve"]
+    if card.get("file"):
+        what = "a file change"
+    run = s.get("run_info")
+    who = f"{exe} (pid {_plain(s.get('pid'))})"
+    if isinstance(run, dict):  # the label its start gave: a claim, shown as one
+        who = f'run "{_plain(run.get("label", ""))}": {who}'
+    lines = [f"{who} asks for {what}; answer in bastion approve"]
     if with_command and card.get("command") is not None:
         lines.append(f"command: {command_text(card)}")
     return Notification(

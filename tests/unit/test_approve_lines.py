@@ -55,6 +55,34 @@ def test_a_notification_names_account_host_and_program_never_the_command() -> No
     assert "systemctl" not in note.summary + note.body
 
 
+def test_a_notification_names_the_run_and_carries_no_action() -> None:
+    run = {"pid": 9, "exe": "/usr/bin/python3", "run_info": {"label": "fix <db>", "given": []}}
+    note = notification_for(card(subject=run))
+    assert note.body.startswith('run "fix &lt;db&gt;": python3 (pid 9) asks for a command;')
+    file = notification_for(card(command=None, argv=None, file={"op": "write"}))
+    assert "asks for a file change" in file.body
+
+
+def test_notify_send_is_given_no_action(monkeypatch: Any) -> None:
+    """A notification is a signal, not a door: no `--action` that could answer a card."""
+    import subprocess
+
+    from bastion.cli.notify import Notifier
+
+    argvs: list[list[str]] = []
+
+    class Fake:
+        def __init__(self, argv: list[str], **_: Any) -> None:
+            argvs.append(argv)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Fake)
+    Notifier("/usr/bin/notify-send").send(notification_for(card()))
+    assert argvs and not any(w.startswith(("--action", "-A")) for w in argvs[0])
+
+
 def test_the_command_only_when_asked_as_text_not_markup() -> None:
     note = notification_for(card(), with_command=True)
     assert note.body.endswith("\ncommand: systemctl restart app")
