@@ -22,7 +22,7 @@ import tty
 from pathlib import Path
 from typing import Any
 
-from bastion.cli.cardview import Style, render_card
+from bastion.cli.cardview import Style, render_card, render_details
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
@@ -243,7 +243,7 @@ class Prompt:
         if self.current is None and self.cards:
             self.current = next(iter(self.cards))
             self.say("")
-            self.say(render_card(self.cards[self.current], style=self.style))
+            self.say(render_card(self.cards[self.current], style=self.style, width=self._width()))
             self.write(self.style.bold("approve? [y/n/d] "))
 
     def _key(self, key: str) -> str | None:
@@ -256,7 +256,7 @@ class Prompt:
         if card is None:
             return None
         if key == "d":
-            self.say("\n" + render_card(card, details=True, style=self.style))
+            self.say("\n" + render_details(card, style=self.style, width=self._width()))
             self.write(self.style.bold("approve? [y/n/d] "))
         elif key in ("y", "n"):
             try:
