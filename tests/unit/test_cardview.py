@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.cells import cell_len
 
-from bastion.cli.cardview import MIN_WIDTH, Style, render_card, render_details
+from bastion.cli.cardview import INDENT, MIN_WIDTH, MORE, ROOM, Style, render_card, render_details
 from bastion.core.cards import make_card
 from bastion.core.command import read_command
 from bastion.core.contract import EndReason
@@ -319,25 +319,28 @@ def test_the_header_is_not_repeated_by_details() -> None:
 ANSI = re.compile(r"\x1b\[([0-9;]*)m")
 
 
-def _command_body(text: str, command: str) -> tuple[str, list[int]]:
-    """The command's lines joined back, each without its indent, and which characters
-    of it are drawn red (31): a highlighted construct."""
-    lines = [ANSI.sub("", line) for line in text.split("\n")]
-    start = next(i for i, line in enumerate(lines) if line.lstrip(" ").startswith(command[:20]))
-    first = len(lines[start]) - len(lines[start].lstrip(" "))
+def _command_body(doc: dict[str, Any], width: int) -> tuple[str, list[int]]:
+    """A shell card's command drawn at `width`, its lines joined back, each without its
+    indent, and which characters of it are drawn red (31): a highlighted construct. The
+    command's lines are those between the heading ("... decides what runs:") and the
+    row after them (`terminal:`); the constructs' own rows are left out."""
+    doc = dict(doc, terminal=True, shell_syntax=[])
+    drawn = render_card(doc, style=Style(True), width=width).split("\n")
+    plain = [ANSI.sub("", line) for line in drawn]
+    heading = next(i for i, line in enumerate(plain) if "USES SHELL SYNTAX" in line)
+    start = next(i for i in range(heading, len(plain)) if plain[i].endswith("runs:")) + 1
+    end = next(i for i, line in enumerate(plain) if line.startswith("  terminal:"))
+    first = min(INDENT, max(MORE, width - ROOM))  # where the command's first line starts
     out, red = [], []
-    for n, line in enumerate(text.split("\n")[start:]):
-        indent = first if n == 0 else first + 2  # a continuation: two cells further in
-        if n and not lines[start + n].startswith(" " * indent):
-            break
-        pos, colour, chars = 0, False, []
-        for piece in ANSI.split(line):
-            pos += 1
-            if pos % 2 == 0:  # an SGR code
+    for n, line in enumerate(drawn[start:end]):
+        indent = first if n == 0 else first + MORE  # a continuation: two cells further in
+        assert plain[start + n].startswith(" " * indent), plain[start + n]
+        chars, colour = [], False
+        for i, piece in enumerate(ANSI.split(line)):
+            if i % 2:  # an SGR code's parameters
                 colour = "31" in piece.split(";")
-                continue
-            for ch in piece:
-                chars.append((ch, colour))
+            else:
+                chars += [(ch, colour) for ch in piece]
         body = chars[indent:]
         red += [len("".join(out)) + i for i, (_, c) in enumerate(body) if c]
         out.append("".join(ch for ch, _ in body))
@@ -350,7 +353,7 @@ def test_a_commands_text_is_whole_and_its_highlights_stay_on_their_characters(
 ) -> None:
     doc = _fixture("command_shell")
     command = doc["command"]
-    shown, red = _command_body(render_card(doc, style=Style(True), width=width), command)
+    shown, red = _command_body(doc, width)
     assert shown == command  # nothing dropped, nothing added: each line after its indent
     marked = sorted(i for a, b in doc["command_marks"] for i in range(a, b))
     assert red == marked
@@ -380,3 +383,23 @@ def test_styling_only_when_enabled() -> None:
     assert "\x1b" not in render_card(doc, details=True)
     styled = render_card(doc, details=True, style=Style(True))
     assert "\x1b[" in styled and ANSI.sub("", styled) == render_card(doc, details=True)
+
+
+PIECES = [*"ab cd-/=$&;", "設定", "  ", "e" * 70, "0" * 64]
+TEXT = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)
+
+
+@settings(max_examples=80, deadline=None)
+@given(width=st.integers(MIN_WIDTH, 130), command=TEXT, exe=TEXT)
+def test_any_text_fits_and_a_commands_text_comes_back_whole(
+    width: int, command: str, exe: str
+) -> None:
+    """Whatever the command and the executable's path: no line wider than the width, and
+    the command's lines, each after its indent, are its text."""
+    doc = dict(_fixture("command_shell"), command=command, command_marks=[], shell_syntax=[])
+    doc["subject"] = dict(doc["subject"], exe="/" + exe)
+    text = render_card(doc, width=width)
+    assert all(cell_len(line) <= width for line in text.split("\n")), text
+    if command.strip(" "):
+        shown, _ = _command_body(doc, width)
+        assert shown == command
