@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.cells import cell_len, get_character_cell_size
-from rich.color import ColorSystem
 from rich.console import Console
 from rich.segment import Segment
 from rich.text import Text
@@ -247,17 +246,29 @@ def _abbreviated(token: Text) -> Text:
     return token[:start] + Text(prefix + short, style) + token[end:]
 
 
+# The only escape sequences a card writes, one per attribute (never combined, as in
+# `1;31`), so the prompt's whole vocabulary is a short list a test can hold it to.
+SGR = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33"}
+
+
+def _sgr(segment: Segment) -> str:
+    style = segment.style
+    if style is None:
+        return segment.text
+    codes = [SGR[a] for a in ("bold", "dim") if getattr(style, a)]
+    if style.color is not None:
+        codes.append(SGR[style.color.name])
+    if not codes:
+        return segment.text
+    return "".join(f"\033[{c}m" for c in codes) + segment.text + "\033[0m"
+
+
 def _draw(lines: list[_Line], style: Style) -> str:
     out = []
     for line in lines:
         body = line.text
         if style.enabled:
-            drawn = "".join(
-                seg.style.render(seg.text, color_system=ColorSystem.STANDARD)
-                if seg.style
-                else seg.text
-                for seg in Segment.simplify(body.render(_CONSOLE, end=""))
-            )
+            drawn = "".join(map(_sgr, Segment.simplify(body.render(_CONSOLE, end=""))))
         else:
             drawn = body.plain
         out.append(" " * line.indent + drawn)

@@ -383,6 +383,9 @@ def test_styling_only_when_enabled() -> None:
     assert "\x1b" not in render_card(doc, details=True)
     styled = render_card(doc, details=True, style=Style(True))
     assert "\x1b[" in styled and ANSI.sub("", styled) == render_card(doc, details=True)
+    # One code per sequence, from the prompt's short list (test_cards_cannot_lie holds
+    # the screen to it): never a combined `1;31`.
+    assert set(ANSI.findall(styled)) <= {"0", "1", "2", "31", "32", "33"}
 
 
 PIECES = [*"ab cd-/=$&;", "設定", "  ", "e" * 70, "0" * 64]
