@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import getpass
 import grp
 import itertools
@@ -21,8 +22,10 @@ import queue
 import re
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -432,8 +435,11 @@ ANSI = re.compile(rb"\x1b\[[0-9;]*m")
 class Terminal:
     """A program on the slave side of a pty; we read its screen and type keys."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], columns: int = 200, rows: int = 80) -> None:
         self.master, slave = os.openpty()
+        # A size, as every terminal has (a new pty's is 0x0): the prompt fits its lines
+        # to it. 200x80 is the pyte screen the tests read it with.
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
         self.proc = subprocess.Popen(
             argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
         )

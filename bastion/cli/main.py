@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import importlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -268,15 +269,18 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
     """Cards waiting for an operator's answer."""
-    from bastion.cli.prompt import render_card
+    from bastion.cli.cardview import UNWRAPPED, render_card
 
     cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
+    # A terminal gets lines that fit it; a pipe gets them whole, for grep.
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else UNWRAPPED
     emit(
         cards,
         as_json,
         lambda cs: (
             "\n\n".join(
-                render_card(c) + f"\n  decide:   bastion decide {c['id']} approve|deny" for c in cs
+                render_card(c, width=width) + f"\n  decide:   bastion decide {c['id']} approve|deny"
+                for c in cs
             )
             or "(no pending cards)"
         ),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shlex
 import socket
 import sys
 import termios
@@ -23,184 +22,17 @@ import tty
 from pathlib import Path
 from typing import Any
 
+from bastion.cli.cardview import Style, render_card, render_details
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.statusline import status_line
-from bastion.core.display import describe_run, escape_text
+from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
-from bastion.core.subject import ExecWatch
 from bastion.opsock import OperatorError, call
-
-CLAIM_SHOWN = 200  # characters of the conversation ref a card shows
-
-
-class Style:
-    """ANSI styling, only when writing to a terminal."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def _wrap(self, code: str, text: str) -> str:
-        return f"\033[{code}m{text}\033[0m" if self.enabled else text
-
-    def bold(self, text: str) -> str:
-        return self._wrap("1", text)
-
-    def warn(self, text: str) -> str:
-        return self._wrap("33", text)
-
-    def good(self, text: str) -> str:
-        return self._wrap("32", text)
-
-    def bad(self, text: str) -> str:
-        return self._wrap("31", text)
-
-    def dim(self, text: str) -> str:
-        return self._wrap("2", text)
-
-
-PLAIN = Style(False)
 
 
 def _shown(value: object) -> str:
-    """Every value a card shows goes through the one escaping function."""
+    """Every value the prompt shows goes through the one escaping function."""
     return escape_text(str(value))
-
-
-def _command_lines(card: dict[str, Any], style: Style) -> list[str]:
-    """The command as the argv it is, one word a line, or as shell source with
-    every construct named and highlighted where it stands."""
-    argv = card.get("argv")
-    if argv is not None:
-        lines = [f"  command:  {len(argv)} word(s), run as this argv (no shell syntax):"]
-        lines += [
-            f"            {i:>3}  {style.bold(shlex.quote(_shown(w)))}" for i, w in enumerate(argv)
-        ]
-        return lines
-    text = _shown(card["command"])
-    marks = sorted((int(a), int(b)) for a, b in card.get("command_marks") or [])
-    pieces, last = [], 0
-    for start, end in marks:
-        pieces += [style.bold(text[last:start]), style.bad(text[start:end])]
-        last = end
-    pieces.append(style.bold(text[last:]))
-    syntax = card.get("shell_syntax") or []
-    lines = [style.warn("  command:  USES SHELL SYNTAX -- the target's shell decides what runs:")]
-    lines += [
-        f"            {_shown(c['text'])!r} at byte {c['offset']}: {_shown(c['what'])}"
-        for c in syntax
-    ]
-    lines.append("            " + "".join(pieces))
-    return lines
-
-
-def stdin_lines(stdin: dict[str, Any], style: Style) -> list[str]:
-    """What the command reads on stdin, read whole before the card: a yes approves these
-    bytes too, and the target gets exactly them, then EOF."""
-    size, digest = int(stdin["size"]), _shown(stdin["sha256"])
-    if size == 0:
-        if stdin.get("end") == "silent":
-            return [
-                style.warn("  stdin:    none yet: still open, nothing sent; the command gets none")
-            ]
-        return ["  stdin:    none (closed empty)"]
-    lines = [style.warn(f"  stdin:    {size} bytes, sha256 {digest} -- the command reads these:")]
-    if "preview" in stdin:
-        more = size - int(stdin.get("preview_bytes", size))
-        lines.append("            " + style.bold(_shown(stdin["preview"])))
-        if more > 0:
-            lines.append(style.dim(f"            ... and {more} more bytes (not shown)"))
-    return lines
-
-
-def _file_lines(f: dict[str, Any], style: Style) -> list[str]:
-    """A file card: the operation, its path(s), and for a write the exact bytes' size,
-    sha256 and mode -- what is written if the answer is yes."""
-    lines = [f"  file:     {style.bold(_shown(f['op']))} {style.bold(_shown(f['path']))}"]
-    if f.get("to") is not None:
-        lines.append(f"            to {style.bold(_shown(f['to']))}")
-    if f.get("size") is not None:
-        lines.append(f"  size:     {int(f['size'])} bytes")
-    if f.get("sha256"):
-        lines.append(f"  sha256:   {_shown(f['sha256'])}")
-    if f.get("mode") is not None:
-        lines.append(f"  mode:     {_shown(f['mode'])}")
-    return lines
-
-
-def render_card(card: dict[str, Any], details: bool = False, style: Style = PLAIN) -> str:
-    """A card as a person reads it: who asks, for what, and what changed."""
-    s = card["subject"]
-    what = "run a command" if card["kind"] == "command" else "use this host and account"
-    if card.get("file"):
-        what = "change a file"
-    lines = [
-        style.bold(f"{_shown(card['id'])}: {_shown(card['kind'])} approval -- {what}"),
-        f"  target:   {_shown(card['user'])}@{_shown(card['host'])}  "
-        f"({_shown(card['address'])}:{card['port']}, "
-        f"host key {_shown(card['host_key_fingerprint'])})",
-        f"  key:      {_shown(card['credential'])}",
-        f"  asked by: pid {s['pid']}  {_shown(s['exe'])}"
-        + (f"  ({_shown(s['kind'])})" if s.get("kind") else "")
-        + (style.bad("  [executable deleted or replaced]") if s.get("exe_deleted") else ""),
-        f"            uid {s['uid']}, started {_when(s['start_time'])}",
-    ]
-    run = describe_run(s, _clock(s["start_time"]))
-    if run is not None:
-        lines.append(f"  run:      {run}")
-    elif s.get("sandboxed"):
-        lines.append("  sandbox:  the asking process is in another namespace than the gateway's")
-    if s.get("exec_watch") == ExecWatch.NOTHING.value:
-        lines.append(
-            style.warn(
-                "  exec:     not visible for this process: approving covers this request only"
-            )
-        )
-    if card.get("reason"):
-        lines.append(style.warn(f"  changed:  an earlier approval ended: {_shown(card['reason'])}"))
-    if card.get("conversation"):
-        claim = _shown(card["conversation"])
-        claim = claim if len(claim) <= CLAIM_SHOWN else claim[:CLAIM_SHOWN] + "..."
-        lines.append(f"  conversation (the agent's claim, not checked): {style.dim(claim)}")
-    if card.get("command") is not None:
-        lines += _command_lines(card, style)
-    if card.get("stdin") is not None:
-        lines += stdin_lines(card["stdin"], style)
-    if card.get("file"):
-        lines += _file_lines(card["file"], style)
-    if card.get("terminal"):
-        lines.append(
-            style.warn("  terminal: runs with a terminal (its stdout and stderr arrive merged)")
-        )
-    if details:
-        lines.append(f"  exe sha256:     {_shown(s['exe_sha256'])}")
-        if s.get("exec_watch"):
-            lines.append(f"  exec seen by:   {_shown(s['exec_watch'])}")
-        if card.get("command_sha256"):
-            lines.append(f"  command sha256: {_shown(card['command_sha256'])}")
-            lines.append(f"  command bytes:  {_shown(card['command'])}")
-        lines.append(
-            f"  request:        {_shown(card['request_id'])} (vault epoch {card['vault_epoch']})"
-        )
-        lines.append("  process chain (asking process first):")
-        for p in card.get("chain", []):
-            cmd = _shown(" ".join(p.get("cmdline") or []))[:120]
-            lines.append(
-                f"    pid {p['pid']:>7}  uid {p['uid']}  {_shown(p['exe'])}  {style.dim(cmd)}"
-            )
-            lines.append(f"             sha256 {_shown(p['exe_sha256'])}")
-    return "\n".join(lines)
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def _clock(ts: float) -> str:
-    """A start time as a person reads it on a card: today's as the time only."""
-    when = time.localtime(ts)
-    if time.strftime("%Y-%m-%d", when) == time.strftime("%Y-%m-%d"):
-        return time.strftime("%H:%M:%S", when)
-    return _when(ts)
 
 
 CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it: the status line is redrawn
@@ -411,7 +243,7 @@ class Prompt:
         if self.current is None and self.cards:
             self.current = next(iter(self.cards))
             self.say("")
-            self.say(render_card(self.cards[self.current], style=self.style))
+            self.say(render_card(self.cards[self.current], style=self.style, width=self._width()))
             self.write(self.style.bold("approve? [y/n/d] "))
 
     def _key(self, key: str) -> str | None:
@@ -424,7 +256,7 @@ class Prompt:
         if card is None:
             return None
         if key == "d":
-            self.say("\n" + render_card(card, details=True, style=self.style))
+            self.say("\n" + render_details(card, style=self.style, width=self._width()))
             self.write(self.style.bold("approve? [y/n/d] "))
         elif key in ("y", "n"):
             try:

@@ -303,7 +303,7 @@ def test_the_agents_sftp_server_serves_none_of_the_gateways_files() -> None:
 
 
 def test_bastion_approve_renders_a_file_card() -> None:
-    from bastion.cli.prompt import render_card
+    from bastion.cli.cardview import render_card
 
     data = b"content"
     op = FileOp(

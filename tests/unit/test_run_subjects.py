@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from bastion.cli.prompt import render_card
+from bastion.cli.cardview import render_card
 from bastion.core.display import describe_run
 from bastion.core.gate import EndReason
 from bastion.core.subject import (

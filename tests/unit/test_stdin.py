@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bastion.cli.prompt import render_card
+from bastion.cli.cardview import render_card
 from bastion.core.binding import Binding
 from bastion.core.cards import make_card
 from bastion.core.contract import Code, Failure, Refusal
@@ -67,7 +67,8 @@ def test_the_card_shows_size_digest_and_an_escaped_preview() -> None:
     assert stdin["sha256"] == Stdin.of(hostile, StdinEnd.CLOSED).sha256
     assert stdin["preview"] == ("echo ok\\n\\x1b[2J\\x1b]0;title\\x07\\x0d\\xff\\xfe\\\\ \\u202e")
     shown = render_card(doc)
-    assert "stdin:    " + str(len(hostile)) + " bytes, sha256 " + str(stdin["sha256"]) in shown
+    assert f"stdin:    {len(hostile)} bytes -- the command reads these:" in shown
+    assert f"stdin sha256: {stdin['sha256']}" in shown
     assert "\x1b" not in shown and "\r" not in shown and "\u202e" not in shown
     # The binding holds the digest the card shows.
     assert doc["command_sha256"] is not None
