@@ -265,6 +265,7 @@ class Prompt:
         self.resized = resized  # readable when the terminal changed size (SIGWINCH)
         self.inputs = [infd] + ([resized] if resized is not None else [])
         self.mode = Mode.IDLE  # what the keyboard's next read is decided in
+        self.carry = ""  # inside a paste, the last read's tail: an end marker may be split
         self.changed_at = float("-inf")  # monotonic time the card on screen last changed
         self.lock_hinted = False  # "l: nothing; L locks" is said once
 
@@ -490,13 +491,9 @@ class Prompt:
         if not data:
             return "quit"
         card = self.cards.get(self.current or "")
-        decision = decide(
-            self.mode,
-            data.decode("utf-8", "replace"),
-            time.monotonic() - self.changed_at,
-            card_shown=card is not None,
-        )
-        self.mode = decision.mode
+        chunk = self.carry + data.decode("utf-8", "replace")
+        decision = decide(self.mode, chunk, time.monotonic() - self.changed_at, card is not None)
+        self.mode, self.carry = decision.mode, decision.carry
         for act in decision.acts:
             if self._act(act, card) == "quit":
                 return "quit"

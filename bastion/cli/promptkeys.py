@@ -22,11 +22,7 @@ PASTE_ON = "\033[?2004h"  # ask the terminal to mark pastes (bracketed paste)...
 PASTE_OFF = "\033[?2004l"  # ...and to stop, at exit
 PASTE_START = "\033[200~"
 PASTE_END = "\033[201~"
-HELP = (
-    "y then Enter approves, n then Enter denies (Esc or any other key cancels), "
-    "d details, L lock the vault, q quit; "
-    f"keys within {GUARD} s of a new card, and pasted text, are ignored"
-)
+HELP = "y or n then Enter answers (Esc cancels), d details, L lock the vault, q quit"
 ENTER = frozenset({"\r", "\n"})  # cbreak keeps ICRNL: Enter reads as "\n"; "\r" without it
 # One key that is several bytes: Esc alone, Alt+key, a CSI or SS3 sequence (arrows, F-keys).
 _ONE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|O.|.)?", re.DOTALL)
@@ -75,6 +71,7 @@ NOTES: dict[Act, str] = {
 class Decision:
     mode: Mode
     acts: tuple[Act, ...] = ()
+    carry: str = ""  # inside a paste: the read's tail, put before the next read (a split end)
 
 
 def one_key(chunk: str) -> str | None:
@@ -99,7 +96,8 @@ def _paste(mode: Mode, chunk: str) -> Decision | None:
         after = mode  # still inside the paste
     cancel = (Act.CANCEL,) if mode in CONFIRMING else ()
     noted = () if mode is Mode.PASTE else (Act.IGNORED_PASTE,)
-    return Decision(after, cancel + noted)
+    carry = chunk[-(len(PASTE_END) - 1) :] if after is Mode.PASTE else ""
+    return Decision(after, cancel + noted, carry)
 
 
 def decide(mode: Mode, chunk: str, since_change: float, card_shown: bool) -> Decision:

@@ -91,13 +91,21 @@ def test_a_bracketed_paste_is_discarded_whole_even_across_reads() -> None:
     begun = decide(Mode.CONFIRM_APPROVE, PASTE_START + "y", LATER, True)
     assert begun.mode is Mode.PASTE and begun.acts == (Act.CANCEL, Act.IGNORED_PASTE)
     for inside in ("y", "\n", "L", "q", "more text"):  # nothing inside a paste is a key
-        assert decide(Mode.PASTE, inside, LATER, True) == decide(Mode.PASTE, "", LATER, True)
-        assert decide(Mode.PASTE, inside, LATER, True).acts == ()
+        d = decide(Mode.PASTE, inside, LATER, True)
+        assert d.mode is Mode.PASTE and d.acts == () and inside.endswith(d.carry)
     ended = decide(Mode.PASTE, "\n" + PASTE_END, LATER, True)
     assert ended.mode is Mode.IDLE and ended.acts == ()
     again = decide(Mode.IDLE, PASTE_END + "x" + PASTE_START, LATER, True)
     assert again.mode is Mode.PASTE
     assert decide(ended.mode, "y", LATER, True).acts == (Act.ASK_APPROVE,)  # positive control
+
+
+def test_a_paste_end_split_across_reads_still_ends_it() -> None:
+    begun = decide(Mode.IDLE, PASTE_START + "yes" + PASTE_END[:3], LATER, True)
+    assert begun.mode is Mode.PASTE and PASTE_END[:3] in begun.carry
+    ended = decide(begun.mode, begun.carry + PASTE_END[3:], LATER, True)
+    assert ended.mode is Mode.IDLE and ended.carry == ""
+    assert decide(ended.mode, "y", LATER, True).acts == (Act.ASK_APPROVE,)
 
 
 def test_without_a_card_only_lock_and_quit_mean_something() -> None:
