@@ -46,8 +46,8 @@ from tests.harness import (
 COLUMNS, ROWS = 200, 80
 # The prompt's own control: its colours, the bell, the status line's redraw, bracketed paste.
 OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07|\x1b\[\?2004[hl]")
-# Written where the log line starts, just after the card's "approve? [y/n/d] ":
-# wipe the log text, go up to the card's command, draw another, come back.
+# Written where the log line starts, just after the question (17 columns: "approve? [y/n/d] ",
+# the question before issue 22): wipe the log text, go up to the command, draw another, come back.
 REPAINT = (
     "\r\x1b[17C\x1b[K"  # keep the question, erase what follows it on its line
     "\x1b[3A\r\x1b[2K  command:  1 word(s), run as this argv (no shell syntax):"
