@@ -37,6 +37,7 @@ import psutil
 from cryptography.hazmat.primitives import serialization
 
 from bastion import journal, opsock
+from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
 from bastion.home import Home
 
@@ -468,6 +469,14 @@ class Terminal:
 
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
+
+    def answer(self, key: str) -> None:
+        """Answer the card `bastion approve` shows as a person does: past the guard time
+        after it appeared, the key (`y` or `n`), then Enter when the prompt asks for it."""
+        time.sleep(GUARD + 0.2)
+        self.type(key)
+        self.expect("press Enter to confirm")
+        self.type("\r")
 
     def close(self) -> None:
         if self.proc.poll() is None:

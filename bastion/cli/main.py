@@ -292,9 +292,19 @@ def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
 @click.option("--notify-command", is_flag=True, help="Show the command in notifications.")
 @click.pass_context
 def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
-    """Interactive approvals: each card as it arrives (bell, desktop notification);
-    y approve, n deny, d details (process chain, digests), L lock the vault, q quit.
-    Between cards, a status line. Survives gateway restarts."""
+    """Interactive approvals: each card as it arrives (bell, desktop notification).
+
+    \b
+    y then Enter   approve the card the question names
+    n then Enter   deny it (Esc or any other key cancels a begun answer)
+    d              details (process chain, digests)
+    L              lock the vault at once, no confirmation (l does nothing)
+    q              quit
+
+    Keys are case-sensitive. Input within 0.4 s of the card on screen changing (a new card,
+    one withdrawn, a redraw on resize), several keys arriving in one read, and pasted text
+    answer nothing, and the prompt says so. Between cards, a status line. Survives gateway
+    restarts."""
     from bastion.cli.prompt import approve as run_prompt
 
     sys.exit(run_prompt(home_of(ctx).operator_socket, not no_notify, notify_command))

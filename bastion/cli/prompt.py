@@ -7,13 +7,16 @@ gateway already escaped where it must be (the command); the prompt adds only
 styling, and only when writing to a terminal. On a terminal it also rings the
 bell for a new card and, between cards, keeps one status line
 (`statusline.py`) redrawn in place; the desktop notification is `notify.py`'s.
+What a key means (confirmation, the guard time, pastes) is `promptkeys.py`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import termios
@@ -24,6 +27,16 @@ from typing import Any
 
 from bastion.cli.cardview import Style, render_card, render_details
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
+from bastion.cli.promptkeys import (
+    CONFIRMING,
+    HELP,
+    NOTES,
+    PASTE_OFF,
+    PASTE_ON,
+    Act,
+    Mode,
+    decide,
+)
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
@@ -39,17 +52,19 @@ CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it: the status line i
 STATUS_EVERY = 3.0  # seconds between status refreshes when nothing happens
 STATUS_GAP = 0.3  # at least this long between two refreshes, however many events come
 STATUS_TIMEOUT = 2.0  # seconds a status request may take before the line says so
-HELP = "y approve, n deny, d details, L lock the vault, q quit"
+QUESTION = "approve? [y/n then Enter"  # then the keys that fit the line
+READ_SIZE = 4096  # one read takes a whole paste, so it is discarded whole
 
 
 class Prompt:
-    """`bastion approve`: shows each card as it arrives and asks y/n/d.
+    """`bastion approve`: shows each card as it arrives and asks for an answer.
 
     Events come from the gateway's watch stream; answers go back as ordinary
     `answer` requests. When the gateway goes away the prompt says so, waits,
-    and reconnects: cards of the old lifetime died with it. `L` locks the
-    vault at any moment, with no question asked: locking only ever takes
-    authority away, and it must be quicker than any second thought.
+    and reconnects: cards of the old lifetime died with it. An answer is `y`
+    or `n` then Enter, given to the card still shown (`promptkeys.decide`).
+    `L` locks the vault at any moment, with no question asked: locking only
+    ever takes authority away, and it must be quicker than any second thought.
     """
 
     RETRY = 1.0
@@ -63,6 +78,7 @@ class Prompt:
         terminal: bool = False,
         alerts: Alerts = Alerts(),  # noqa: B008 -- frozen, so sharing it is safe
         notifier: Notifier | None = None,
+        resized: int | None = None,
     ) -> None:
         self.path = path
         self.infd = infd
@@ -78,6 +94,12 @@ class Prompt:
         self.status_shown = False  # the status line is on screen, to be erased before output
         self.fetched_at = -STATUS_EVERY  # monotonic time of the last status request
         self.stale = True  # something happened since: refresh soon
+        self.resized = resized  # readable when the terminal changed size (SIGWINCH)
+        self.inputs = [infd] + ([resized] if resized is not None else [])
+        self.mode = Mode.IDLE  # what the keyboard's next read is decided in
+        self.carry = ""  # inside a paste, the last read's tail: an end marker may be split
+        self.changed_at = float("-inf")  # monotonic time the card on screen last changed
+        self.lock_hinted = False  # "l: nothing; L locks" is said once
 
     def write(self, text: str) -> None:
         """All output goes here: the status line is erased before anything else."""
@@ -110,8 +132,10 @@ class Prompt:
                         )
                     )
                     waiting_said = True
-                ready, _, _ = select.select([self.infd], [], [], self.RETRY)
-                if ready and self._quit_requested():
+                ready, _, _ = select.select(self.inputs, [], [], self.RETRY)
+                if self.resized in ready:
+                    self._resize()
+                if self.infd in ready and self._input() == "quit":
                     return 0
                 continue
             waiting_said = False
@@ -120,6 +144,7 @@ class Prompt:
                     return 0
             self.cards.clear()
             self.current = None
+            self._changed()
             self.stale = True
             self.say(self.style.warn("lost the gateway (stopped or restarted); reconnecting..."))
 
@@ -133,15 +158,11 @@ class Prompt:
             return None
         return sock
 
-    def _quit_requested(self) -> bool:
-        data = os.read(self.infd, 64)
-        return not data or b"q" in data.lower()
-
     def _session(self, sock: socket.socket) -> str:
         buf = b""
         self.greeted = False
         while True:
-            ready, _, _ = select.select([sock, self.infd], [], [], self._until_refresh())
+            ready, _, _ = select.select([sock, *self.inputs], [], [], self._until_refresh())
             if sock in ready:
                 chunk = sock.recv(65536)
                 if not chunk:
@@ -154,13 +175,10 @@ class Prompt:
                         self.say(self.style.bad(f"refused: {_shown(event.get('error'))}"))
                         return "quit"
                     self._event(event)
-            if self.infd in ready:
-                data = os.read(self.infd, 64)
-                if not data:
-                    return "quit"
-                for key in data.decode("utf-8", "replace").lower():
-                    if self._key(key) == "quit":
-                        return "quit"
+            if self.resized in ready:
+                self._resize()
+            if self.infd in ready and self._input() == "quit":
+                return "quit"
             self.notifier.reap()
             self._status_tick()
 
@@ -220,6 +238,7 @@ class Prompt:
             self.cards.pop(card_id, None)
             if card_id == self.current:
                 self.current = None
+                self._changed()
                 if answer not in ("approved", "declined"):
                     why = {
                         "withdrawn_locked": "the vault locked",
@@ -242,32 +261,120 @@ class Prompt:
     def _show_next(self) -> None:
         if self.current is None and self.cards:
             self.current = next(iter(self.cards))
-            self.say("")
-            self.say(render_card(self.cards[self.current], style=self.style, width=self._width()))
-            self.write(self.style.bold("approve? [y/n/d] "))
+            self._present(self.cards[self.current])
 
-    def _key(self, key: str) -> str | None:
-        if key == "q":
-            return "quit"
-        if key == "l":
-            self._lock()
-            return None
+    def _present(self, card: dict[str, Any]) -> None:
+        """The card on screen (again), its question under it; the guard starts now."""
+        self._drop_begun()
+        self.say("")
+        self.say(self._draw(card, details=False))
+        self._ask()
+        self._changed()
+
+    def _draw(self, card: dict[str, Any], details: bool) -> str:
+        """The one place the prompt draws a card, at the terminal's width now; with
+        `details`, only what `d` adds (the header is on screen already)."""
+        if details:
+            return render_details(card, style=self.style, width=self._width())
+        return render_card(card, style=self.style, width=self._width())
+
+    def _question(self, card: dict[str, Any]) -> str:
+        """The question line names the card a key answers, so none answers another."""
+        who = f"{_shown(card['id'])} ({_shown(card['kind'])} on {_shown(card['host'])}): "
+        for line in (who + QUESTION + ", d details, L lock] ", who + QUESTION + "] "):
+            if len(line) < self._width():
+                return line
+        return f"{_shown(card['id'])}: {QUESTION}] "
+
+    def _ask(self) -> None:
         card = self.cards.get(self.current or "")
-        if card is None:
-            return None
-        if key == "d":
-            self.say("\n" + render_details(card, style=self.style, width=self._width()))
-            self.write(self.style.bold("approve? [y/n/d] "))
-        elif key in ("y", "n"):
-            try:
-                call(self.path, "answer", card=card["id"], approve=key == "y")
-                self.say(self.style.good("approved") if key == "y" else self.style.bad("denied"))
-            except OperatorError as exc:
-                self.say(self.style.bad(f"not applied: {_shown(exc)}"))
-            self.cards.pop(card["id"], None)
-            self.current = None
-            self._show_next()
+        if card is not None:
+            self.write(self.style.bold(self._question(card)))
+
+    def _changed(self) -> None:
+        """The card on screen changed: keys are ignored for GUARD seconds from now."""
+        self._drop_begun()
+        self.changed_at = time.monotonic()
+
+    def _drop_begun(self) -> None:
+        """An answer begun for the card that was shown ends: its Enter answers no other."""
+        if self.mode in CONFIRMING:
+            self.mode = Mode.IDLE
+            self.say("")
+            self.say(self.style.dim("  the answer begun was cancelled: the card changed"))
+
+    def _resize(self) -> None:
+        """The terminal changed size: the card is drawn again, at the new width."""
+        with contextlib.suppress(OSError):
+            while os.read(self.resized, 512):  # type: ignore[arg-type]  # one redraw for many
+                pass
+        self.stale = True
+        card = self.cards.get(self.current or "")
+        if card is not None:
+            self._present(card)
+
+    def _note(self, text: str) -> None:
+        """A line under the question, then the question again."""
+        if self.current is not None:
+            self.say("")
+        self.say(self.style.warn(text))
+        self._ask()
+
+    def _input(self) -> str | None:
+        """One read of the keyboard, decided whole."""
+        data = os.read(self.infd, READ_SIZE)
+        if not data:
+            return "quit"
+        card = self.cards.get(self.current or "")
+        chunk = self.carry + data.decode("utf-8", "replace")
+        decision = decide(self.mode, chunk, time.monotonic() - self.changed_at, card is not None)
+        self.mode, self.carry = decision.mode, decision.carry
+        for act in decision.acts:
+            if self._act(act, card) == "quit":
+                return "quit"
+        if decision.acts == (Act.CANCEL,):
+            self._ask()
         return None
+
+    def _act(self, act: Act, card: dict[str, Any] | None) -> str | None:
+        if act is Act.QUIT:
+            return "quit"
+        if act is Act.LOCK:
+            self._lock()
+            self._ask()
+        elif act in NOTES and not (act is Act.HINT_LOCK and self.lock_hinted):
+            self.lock_hinted = self.lock_hinted or act is Act.HINT_LOCK  # the hint: once
+            self._note(NOTES[act])
+        elif act is Act.CANCEL and card is not None:
+            self.say("")
+            self.say(self.style.dim(f"  cancelled: {_shown(card['id'])} not answered"))
+        elif act in (Act.ASK_APPROVE, Act.ASK_DENY) and card is not None:
+            verb = "approve" if act is Act.ASK_APPROVE else "deny"
+            self.say("")
+            self.write(
+                self.style.warn(
+                    f"{verb} {_shown(card['id'])}? press Enter to confirm, "
+                    "Esc/any other key to cancel "
+                )
+            )
+        elif act is Act.DETAILS and card is not None:
+            self.say("\n" + self._draw(card, details=True))
+            self._ask()
+        elif act in (Act.APPROVE, Act.DENY) and card is not None:
+            self._answer(card, act is Act.APPROVE)
+        return None
+
+    def _answer(self, card: dict[str, Any], approve: bool) -> None:
+        self.say("")
+        try:
+            call(self.path, "answer", card=card["id"], approve=approve)
+            self.say(self.style.good("approved") if approve else self.style.bad("denied"))
+        except OperatorError as exc:
+            self.say(self.style.bad(f"not applied: {_shown(exc)}"))
+        self.cards.pop(card["id"], None)
+        self.current = None
+        self._changed()
+        self._show_next()
 
     def _lock(self) -> None:
         """The `lock` request `bastion lock` sends: every approval ends at once."""
@@ -288,21 +395,38 @@ class Prompt:
 
 
 def approve(path: Path, notify: bool = True, notify_command: bool = False) -> int:
-    """Run the prompt on this terminal (cbreak mode: one key, no Enter)."""
+    """Run the prompt on this terminal: cbreak mode (a key arrives when pressed; the
+    prompt asks for Enter itself), pastes marked by the terminal, a redraw on resize."""
     infd = sys.stdin.fileno()
     is_tty = os.isatty(infd)
     terminal = is_tty and sys.stdout.isatty()
     alerts = Alerts(bell=True, desktop=notify, with_command=notify_command)
     notifier = Notifier.find() if notify else Notifier(None)
-    prompt = Prompt(path, infd, sys.stdout, Style(terminal), terminal, alerts, notifier)
     if not is_tty:
-        return prompt.run()
+        return Prompt(path, infd, sys.stdout, Style(terminal), terminal, alerts, notifier).run()
 
+    resized, poke = os.pipe()
+    os.set_blocking(resized, False)
+    os.set_blocking(poke, False)
+
+    def on_resize(_signum: int, _frame: object) -> None:
+        with contextlib.suppress(OSError):  # a full pipe already says "resized"
+            os.write(poke, b"w")
+
+    prompt = Prompt(path, infd, sys.stdout, Style(terminal), terminal, alerts, notifier, resized)
     saved = termios.tcgetattr(infd)
+    before = signal.signal(signal.SIGWINCH, on_resize)
     try:
         tty.setcbreak(infd)
+        if terminal:
+            prompt.write(PASTE_ON)  # the terminal marks what is pasted: it is discarded
         return prompt.run()
     except KeyboardInterrupt:
         return 130
     finally:
+        if terminal:
+            prompt.write(PASTE_OFF)
         termios.tcsetattr(infd, termios.TCSADRAIN, saved)
+        signal.signal(signal.SIGWINCH, before)
+        os.close(resized)
+        os.close(poke)

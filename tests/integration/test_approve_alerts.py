@@ -112,17 +112,17 @@ def test_a_new_card_rings_the_bell_and_notifies_without_the_command(
         agent = b.agent()
         rid = agent.start(f"echo {SECRET}")
         term.expect("session approval")
-        term.expect("approve? [y/n/d]")
+        term.expect("approve? [y/n then Enter")
         assert term.raw.count(b"\a") == 1
         assert term.raw.index(b"\a") < term.raw.index(b"session approval")  # before the card
         wait_for(lambda: len(notes(log)) == 1, timeout=20)
 
-        term.type("y")
+        term.answer("y")
         term.expect("command approval")
-        term.expect("approve? [y/n/d]")
+        term.expect("approve? [y/n then Enter")
         assert term.raw.count(b"\a") == 2
         wait_for(lambda: len(notes(log)) == 2, timeout=20)
-        term.type("y")
+        term.answer("y")
         assert agent.wait(rid).stdout == f"{SECRET}\n".encode()
     finally:
         term.close()
@@ -150,7 +150,7 @@ def test_notify_command_shows_the_command_and_no_notify_keeps_only_the_bell(
         b.approve_next()  # the session card
         wait_for(lambda: len(notes(shown_log)) == 2, timeout=20)  # then the command card
         quiet.expect("command approval")
-        quiet.expect("approve? [y/n/d]")
+        quiet.expect("approve? [y/n then Enter")
         b.approve_next()
         assert agent.wait(rid).stdout == f"{SECRET}\n".encode()
     finally:
@@ -174,9 +174,10 @@ def test_the_status_line_between_cards_and_the_lock_key(bastion: Bastion, tmp_pa
         assert "witness none" in line, line
         agent = bastion.agent()
         rid = agent.start("echo first")
-        term.expect("approve? [y/n/d]")
-        assert current_line(term).startswith("approve? [y/n/d]")  # the question owns the line
-        term.type("y")
+        term.expect("approve? [y/n then Enter")
+        card_id = bastion.next_card()["id"]  # the question owns the line, and names the card
+        assert current_line(term).startswith(f"{card_id} (session on web1): approve? [y/n")
+        term.answer("y")
         term.expect("approved")
         assert agent.wait(rid).stdout == b"first\n"
         wait_for_line(term, "vault unlocked", "sessions 1", "pending 0")
@@ -200,8 +201,8 @@ def test_lock_key_while_a_card_waits_withdraws_it(bastion: Bastion, tmp_path: Pa
     try:
         agent = bastion.agent()
         rid = agent.start("echo never")
-        term.expect("approve? [y/n/d]")
-        term.type("l")
+        term.expect("approve? [y/n then Enter")
+        term.type("L")  # at once: locking waits out no guard
         term.expect("withdrawn: the vault locked")
         assert agent.wait(rid).code == "VAULT_LOCKED"
         assert bastion.op("status")["locked"] is True

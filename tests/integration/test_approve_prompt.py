@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from bastion.cli.promptkeys import GUARD
 from tests.harness import Bastion, Terminal
 
 
@@ -25,18 +27,19 @@ def test_approve_and_decline_by_keystroke_with_details(bastion: Bastion, prompt:
     rid = agent.start("echo approved-by-key")
     prompt.expect("session approval")
     prompt.expect(f"pid {agent.pid}")
-    prompt.expect("approve? [y/n/d]")
+    prompt.expect("approve? [y/n then Enter")
+    time.sleep(GUARD + 0.2)  # keys within the guard of a new card are ignored
     prompt.type("d")
-    details = prompt.expect("approve? [y/n/d]")
+    details = prompt.expect("approve? [y/n then Enter")
     assert "process chain" in details and "exe sha256" in details and str(agent.pid) in details
-    prompt.type("y")
+    prompt.answer("y")
     prompt.expect("approved")
     assert agent.wait(rid).stdout == b"approved-by-key\n"
 
     other = bastion.agent()
     rid = other.start("echo never")
     prompt.expect(f"pid {other.pid}")
-    prompt.type("n")
+    prompt.answer("n")
     prompt.expect("denied")
     r = other.wait(rid)
     assert r.code == "SESSION_DENIED" and r.stdout == b""
@@ -58,16 +61,17 @@ def test_notices_have_no_button_and_restarts_are_survived(
     bastion.unlock()
     agent = bastion.agent()
     rid = agent.start("echo after-restart")
-    prompt.expect("approve? [y/n/d]")
-    prompt.type("y")
+    prompt.expect("approve? [y/n then Enter")
+    prompt.answer("y")
     assert agent.wait(rid).stdout == b"after-restart\n"
 
 
 def test_a_withdrawn_card_is_announced(bastion: Bastion, prompt: Terminal) -> None:
     agent = bastion.agent()
     agent.start("echo gone")
-    prompt.expect("approve? [y/n/d]")
+    prompt.expect("approve? [y/n then Enter")
     agent.close()
     prompt.expect("withdrawn: its process exited")
+    time.sleep(GUARD + 0.2)  # the card on screen changed: keys wait out the guard
     prompt.type("q")
     assert prompt.proc.wait(10) == 0

@@ -15,8 +15,9 @@ from tests.harness import Agent, Bastion, Terminal, make_bastion, policy_toml, p
 
 HOSTILE = "\r\x1b[2K  command:  uptime\x1b[8m\u202e\u200b"
 # The prompt's own control: its colours, the bell for a new card, and the status
-# line's "back to the start, erase the line" (cli/prompt.py CLEAR_LINE, notify.BELL).
-OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07")
+# line's "back to the start, erase the line" (cli/prompt.py CLEAR_LINE, notify.BELL), and
+# bracketed paste on and off (cli/promptkeys.py PASTE_ON, PASTE_OFF).
+OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07|\x1b\[\?2004[hl]")
 
 
 def test_every_string_on_a_card_is_escaped_and_the_screen_shows_the_real_command(
@@ -42,12 +43,12 @@ def test_every_string_on_a_card_is_escaped_and_the_screen_shows_the_real_command
         command = f"touch {tmp_path}/ran{HOSTILE}"
         conversation = ("-o", f'SetEnv=BASTION_CONVERSATION="{HOSTILE}"')
         rid = agent.start(command, ssh_args=conversation)
-        term.expect("approve? [y/n/d]")
-        term.type("y")  # the session card
+        term.expect("approve? [y/n then Enter")
+        term.answer("y")  # the session card
         term.expect("approved")
-        shown = term.expect("approve? [y/n/d]")  # the command card
+        shown = term.expect("approve? [y/n then Enter")  # the command card
         raw = term.raw
-        term.type("n")
+        term.answer("n")
         term.expect("denied")
         assert agent.wait(rid).code == "CALL_DENIED"
         assert not list(tmp_path.glob("ran*"))

@@ -30,6 +30,7 @@ import pytest
 
 from bastion import opsock
 from bastion.agent import proxy as proxy_mod
+from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import (
     PASSPHRASE,
@@ -43,10 +44,10 @@ from tests.harness import (
 )
 
 COLUMNS, ROWS = 200, 80
-# The prompt's own control: its colours, the bell, the status line's redraw.
-OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07")
-# Written where the log line starts, just after the card's "approve? [y/n/d] ":
-# wipe the log text, go up to the card's command, draw another, come back.
+# The prompt's own control: its colours, the bell, the status line's redraw, bracketed paste.
+OUR_STYLES = re.compile(rb"\x1b\[(?:0|1|2|31|32|33)m|\r\x1b\[K|\x07|\x1b\[\?2004[hl]")
+# Written where the log line starts, just after the question (17 columns: "approve? [y/n/d] ",
+# the question before issue 22): wipe the log text, go up to the command, draw another, come back.
 REPAINT = (
     "\r\x1b[17C\x1b[K"  # keep the question, erase what follows it on its line
     "\x1b[3A\r\x1b[2K  command:  1 word(s), run as this argv (no shell syntax):"
@@ -94,6 +95,14 @@ class SharedTerminal:
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
+    def answer(self, key: str) -> None:
+        """As a person answers in `bastion approve`: past the guard, the key, then Enter."""
+        time.sleep(GUARD + 0.2)
+        mark = len(self.raw)
+        self.type(key)
+        self.pump(self.shows("press Enter to confirm", after=mark))
+        self.type("\r")
+
     def lines(self) -> list[str]:
         screen = pyte.Screen(COLUMNS, ROWS)
         pyte.ByteStream(screen).feed(self.raw)
@@ -140,10 +149,10 @@ def command_card(b: Bastion, term: SharedTerminal, agent: Agent, command: str) -
     """The agent asks to run `command`; the operator approves its session card and
     is shown its command card. Returns the agent's call."""
     rid = agent.start(command)
-    term.pump(term.shows("approve? [y/n/d]"))
-    term.type("y")  # the session card
+    term.pump(term.shows("approve? [y/n then Enter"))
+    term.answer("y")  # the session card
     mark = len(term.raw)
-    term.pump(term.shows("approve? [y/n/d]", after=mark))  # the command card
+    term.pump(term.shows("approve? [y/n then Enter", after=mark))  # the command card
     return rid
 
 
@@ -174,7 +183,7 @@ def the_card_shows(term: SharedTerminal, marker: Path) -> None:
 
 def approve_what_is_shown(agent: Agent, term: SharedTerminal, rid: int, marker: Path) -> None:
     """The operator approves what the screen shows; the marker proves it is what ran."""
-    term.type("y")
+    term.answer("y")
     result = agent.wait(rid)
     assert result.rc == 0, result.stderr
     assert marker.exists()
@@ -249,7 +258,7 @@ def test_invisible_characters_reach_neither_pending_nor_approve_raw(
     agent = Agent(b.config, python=str(python_copy(hostile, "python")))
     b.agents.append(agent)
     rid = agent.start("true", ssh_args=("-o", f"SetEnv=BASTION_CONVERSATION=ref{INVISIBLE}end"))
-    term.pump(term.shows("approve? [y/n/d]"))
+    term.pump(term.shows("approve? [y/n then Enter"))
     escaped = "\\u3164\\u2800\\u034f\\u0338"
 
     pending = b.cli("pending").stdout
@@ -261,5 +270,5 @@ def test_invisible_characters_reach_neither_pending_nor_approve_raw(
     lines = term.lines()
     assert any(f"bin{escaped}/python" in line for line in lines)  # the card's exe
     assert any("the agent's claim" in line and f"ref{escaped}end" in line for line in lines)
-    term.type("n")
+    term.answer("n")
     assert agent.wait(rid).code == "SESSION_DENIED"

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import termios
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bastion.cli.promptkeys import GUARD
 from tests.harness import (
     TRACE_PROBE,
     Bastion,
@@ -114,7 +116,7 @@ def test_tmux_from_inside_a_run_cannot_answer_the_card(
         def screen() -> str:
             return sh(*tmux, "capture-pane", "-p", "-t", "op", env=env).stdout
 
-        wait_for(lambda: "approve? [y/n/d]" in screen(), timeout=30)
+        wait_for(lambda: "approve? [y/n then Enter" in screen(), timeout=30)
         verb = ["send-keys", "-t", "op", "y"]
         if attack == "new-window":
             verb = ["new-window", "-d", decide(bastion, h.card)]
@@ -127,8 +129,13 @@ def test_tmux_from_inside_a_run_cannot_answer_the_card(
             r = inside(h.agent, *argv)
             assert r.rc != 0, f"{argv} from inside the run: {r.stderr}"
         h.assert_held()
-        # Positive control: the same from outside the run answers the card.
+        # Positive control: the same from outside the run answers the card (a key then,
+        # once the prompt asks for it, Enter: `bastion approve` confirms an answer).
+        time.sleep(GUARD + 0.2)
         assert sh("tmux", "-S", sock, *verb).returncode == 0
+        if attack != "new-window":
+            wait_for(lambda: "press Enter to confirm" in screen(), timeout=30)
+            assert sh("tmux", "-S", sock, "send-keys", "-t", "op", "Enter").returncode == 0
         h.wait_ran()
     finally:
         subprocess.run([*tmux, "kill-server"], env=env, timeout=30, capture_output=True)
@@ -530,7 +537,7 @@ def test_the_operators_processes_cannot_be_read_traced_or_signalled(
 ) -> None:
     prompt = Terminal(cli_argv(bastion.home.root, "approve"))
     try:
-        prompt.expect("approve? [y/n/d]")  # the card of the run is on the operator's screen
+        prompt.expect("approve? [y/n then Enter")  # the card of the run is on the operator's screen
         targets = [*operator_unlock, bastion.gateway_pid]
         for pid in targets:
             addr = readable_address(pid)
