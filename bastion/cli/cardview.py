@@ -458,6 +458,28 @@ def render_card(
     return shown + ("\n" + render_details(card, style, width) if details else "")
 
 
+def fit(text: str, width: int, indent: int = 4) -> list[str]:
+    """A line of the prompt's own (a greeting, a notice, a note), already escaped, in
+    lines of at most `width` cells: broken between words, continuations indented."""
+    width = max(width, MIN_WIDTH)
+    lines: list[str] = []
+    line = ""
+    for word in text.split(" "):
+        joined = f"{line} {word}" if line.strip() else line + word
+        if cell_len(joined) <= width:
+            line = joined
+            continue
+        if line.strip():
+            lines.append(line)
+        line = " " * indent + word
+        while cell_len(line) > width:  # one word wider than a line: cut by cells
+            head, *rest = _chop(Text(line), width)
+            lines.append(head.plain)
+            line = " " * indent + "".join(r.plain for r in rest)
+    lines.append(line)
+    return lines
+
+
 def render_details(card: dict[str, Any], style: Style = PLAIN, width: int = 80) -> str:
     """The details alone (what `d` shows under a card already on screen): the
     executable's and the command's sha256, the request, the process chain."""

@@ -22,10 +22,13 @@ import sys
 import termios
 import time
 import tty
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bastion.cli.cardview import Style, render_card, render_details
+from rich.cells import cell_len
+
+from bastion.cli.cardview import Style, fit, render_card, render_details
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.promptkeys import (
     CONFIRMING,
@@ -100,6 +103,7 @@ class Prompt:
         self.carry = ""  # inside a paste, the last read's tail: an end marker may be split
         self.changed_at = float("-inf")  # monotonic time the card on screen last changed
         self.lock_hinted = False  # "l: nothing; L locks" is said once
+        self.line_open = False  # the last write left the cursor on its line (a question)
 
     def write(self, text: str) -> None:
         """All output goes here: the status line is erased before anything else."""
@@ -108,9 +112,22 @@ class Prompt:
             self.status_shown = False
         self.out.write(text)
         self.out.flush()
+        if text:
+            self.line_open = not text.endswith("\n")
 
     def say(self, text: str) -> None:
-        self.write(text + "\n")
+        """A line of its own: a question still waiting on its line is ended first."""
+        self.write(("\n" if self.line_open else "") + text + "\n")
+
+    def tell(self, text: str, tone: Callable[[str], str]) -> None:
+        """One of the prompt's own messages (escaped already), fitted to the width."""
+        for line in fit(text, self._width()):
+            self.say(tone(line))
+
+    def end_line(self) -> None:
+        """Off the question's line, if it is still open."""
+        if self.line_open:
+            self.write("\n")
 
     def run(self) -> int:
         try:
@@ -220,15 +237,14 @@ class Prompt:
             again = self.boot_id is not None and self.boot_id != event["boot_id"]
             self.boot_id = event["boot_id"]
             state = "locked" if event["locked"] else "unlocked"
-            self.say(
-                self.style.dim(
-                    f"{'reconnected to a restarted' if again else 'connected to'} "
-                    f"gateway {_shown(event['boot_id'])} (vault {state}); "
-                    f"waiting for cards -- {HELP}"
-                )
+            self.tell(
+                f"{'reconnected to a restarted' if again else 'connected to'} "
+                f"gateway {_shown(event['boot_id'])} (vault {state})",
+                self.style.dim,
             )
+            self.tell(f"waiting for cards -- {HELP}", self.style.dim)
             for span in event.get("foreign_records") or []:
-                self.say(self.style.bad("  " + _shown(foreign_warning(span))))
+                self.tell("  " + _shown(foreign_warning(span)), self.style.bad)
         elif kind == "card":
             self.cards[event["card"]["id"]] = event["card"]
             self._alert(event["card"])
@@ -246,10 +262,10 @@ class Prompt:
                         "timeout": "nobody answered in time",
                         "unseen": "nobody answered in time",
                     }.get(answer, answer)
-                    self.say(self.style.warn(f"  {_shown(card_id)} withdrawn: {_shown(why)}"))
+                    self.tell(f"  {_shown(card_id)} withdrawn: {_shown(why)}", self.style.warn)
                 self._show_next()
         elif kind == "notice":
-            self.say(self.style.dim(f"  notice: {_shown(event['text'])}"))
+            self.tell(f"  notice: {_shown(event['text'])}", self.style.dim)
 
     def _alert(self, card: dict[str, Any]) -> None:
         """A new card: the bell on a terminal, a desktop notification if wanted."""
@@ -282,7 +298,7 @@ class Prompt:
         """The question line names the card a key answers, so none answers another."""
         who = f"{_shown(card['id'])} ({_shown(card['kind'])} on {_shown(card['host'])}): "
         for line in (who + QUESTION + ", d details, L lock] ", who + QUESTION + "] "):
-            if len(line) < self._width():
+            if cell_len(line) < self._width():
                 return line
         return f"{_shown(card['id'])}: {QUESTION}] "
 
@@ -300,7 +316,6 @@ class Prompt:
         """An answer begun for the card that was shown ends: its Enter answers no other."""
         if self.mode in CONFIRMING:
             self.mode = Mode.IDLE
-            self.say("")
             self.say(self.style.dim("  the answer begun was cancelled: the card changed"))
 
     def _resize(self) -> None:
@@ -315,9 +330,7 @@ class Prompt:
 
     def _note(self, text: str) -> None:
         """A line under the question, then the question again."""
-        if self.current is not None:
-            self.say("")
-        self.say(self.style.warn(text))
+        self.tell(text, self.style.warn)
         self._ask()
 
     def _input(self) -> str | None:
@@ -346,11 +359,10 @@ class Prompt:
             self.lock_hinted = self.lock_hinted or act is Act.HINT_LOCK  # the hint: once
             self._note(NOTES[act])
         elif act is Act.CANCEL and card is not None:
-            self.say("")
             self.say(self.style.dim(f"  cancelled: {_shown(card['id'])} not answered"))
         elif act in (Act.ASK_APPROVE, Act.ASK_DENY) and card is not None:
             verb = "approve" if act is Act.ASK_APPROVE else "deny"
-            self.say("")
+            self.end_line()
             self.write(
                 self.style.warn(
                     f"{verb} {_shown(card['id'])}? press Enter to confirm, "
@@ -365,7 +377,7 @@ class Prompt:
         return None
 
     def _answer(self, card: dict[str, Any], approve: bool) -> None:
-        self.say("")
+        self.end_line()
         try:
             call(self.path, "answer", card=card["id"], approve=approve)
             self.say(self.style.good("approved") if approve else self.style.bad("denied"))
@@ -378,8 +390,7 @@ class Prompt:
 
     def _lock(self) -> None:
         """The `lock` request `bastion lock` sends: every approval ends at once."""
-        if self.current is not None:
-            self.say("")  # off the question's line
+        self.end_line()
         try:
             result = call(self.path, "lock", timeout=60)
         except (OperatorError, OSError) as exc:

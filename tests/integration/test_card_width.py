@@ -20,6 +20,7 @@ import pyte
 import pytest
 from rich.cells import cell_len
 
+from bastion.cli.promptkeys import GUARD
 from tests.harness import Bastion, cli_argv
 
 # The prompt's own control sequences: its colours, the bell, the status line's redraw.
@@ -80,24 +81,28 @@ def sized(request: pytest.FixtureRequest, bastion: Bastion) -> Iterator[Sized]:
 def test_the_card_fits_the_terminal_and_its_digests_stand_whole(
     bastion: Bastion, sized: Sized
 ) -> None:
-    start = len(sized.raw)  # the cards from here on (the greeting is the input loop's)
+    start = 0  # everything the prompt wrote: the greeting, the cards, their questions
     agent = bastion.agent()
     rid = agent.start("echo fits")
     card = bastion.next_card()
-    sized.wait_for("approve? [y/n/d]")
+    sized.wait_for("approve? [y/n then Enter")
     fingerprint = card["host_key_fingerprint"]
     assert any(fingerprint in line for line in sized.screen()), "\n".join(sized.screen())
 
+    time.sleep(GUARD + 0.2)  # a key sooner than this after the card answers nothing
     mark = len(sized.raw)
     os.write(sized.master, b"d")
-    sized.wait_for("approve? [y/n/d]", after=mark)
+    sized.wait_for("approve? [y/n then Enter", after=mark)
     screen = sized.screen()
     for digest in (card["subject"]["exe_sha256"], card["chain"][0]["exe_sha256"]):
         assert any(digest in line for line in screen), (digest, "\n".join(screen))
     details = CONTROL.sub(b"", sized.raw[mark:]).decode()
-    assert card["id"] not in details  # `d` adds the details; the header is not drawn again
+    assert "approval --" not in details  # `d` adds the details; the header is not drawn again
 
     wide = [line for line in sized.written_lines(start) if cell_len(line) > sized.columns]
     assert not wide, f"wider than {sized.columns}: {wide}"
+    time.sleep(GUARD + 0.2)  # d redrew below the card: past the guard again
     os.write(sized.master, b"y")
+    sized.wait_for("press Enter to confirm", after=mark)
+    os.write(sized.master, b"\r")
     assert agent.wait(rid).stdout == b"fits\n"
