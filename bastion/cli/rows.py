@@ -25,8 +25,9 @@ from typing import Any
 from bastion.core.display import escape_command, escape_text
 
 ELLIPSIS = "…"
-WHO_CELLS = 24  # the longest run label or process shown before it is cut
-TARGET_CELLS = 28  # user@host
+WHO_CELLS = 24  # the widest run label, process or user@host column before it is cut
+SHRUNK_CELLS = 10  # ... and the narrowest it is cut to, to leave the last column room
+LAST_CELLS = 24  # the room the last column (the command) is given, where a row can
 
 # `audit activity --outcome`: what the journal says of a request's end (`events.Outcome`,
 # denied, in_flight), and `failed`: completed with a non-zero exit status, or signalled.
@@ -137,25 +138,63 @@ def ending(row: Mapping[str, Any]) -> str:
     return escape_text(end)
 
 
-def activity_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
-    """time  who  user@host  outcome  command"""
-    parts = [
-        clock(row.get("received_at"), now),
-        pad(who(row.get("subject")), WHO_CELLS),
-        pad(target(row), TARGET_CELLS),
-        ending(row),
+def table(fields: list[list[str]], shrinkable: frozenset[int], width: int | None) -> list[str]:
+    """Rows of fields as aligned columns two spaces apart, the last one free: each column
+    as wide as its widest field (at most WHO_CELLS), and when the columns would leave the
+    last fewer than LAST_CELLS of `width` (or what it needs, if less), the `shrinkable`
+    ones (who, user@host) cut down, widest first, to no fewer than SHRUNK_CELLS. Every line at most `width - 1` cells."""
+    if not fields:
+        return []
+    n = len(fields[0])
+    widths = [
+        min(max(cells(f[i]) for f in fields), WHO_CELLS if i in shrinkable else 10_000)
+        for i in range(n - 1)
     ]
+    if width is not None:
+        room = max(1, width - 1) - min(LAST_CELLS, max(cells(f[-1]) for f in fields))
+
+        def over() -> int:
+            return sum(widths) + 2 * (n - 1) - room
+
+        while over() > 0:
+            i = max(shrinkable, key=lambda j: widths[j])
+            if widths[i] <= SHRUNK_CELLS:
+                break
+            widths[i] -= 1  # the widest first, a cell at a time: both keep what they can
+    out = []
+    for f in fields:
+        head = "  ".join(pad(text, w) for text, w in zip(f, widths, strict=False))
+        out.append(line(f"{head}  {f[-1]}" if n > 1 else f[-1], width))
+    return out
+
+
+WHO, TARGET = 1, 2  # where who and user@host stand in every view's fields
+SHRINKABLE = frozenset({WHO, TARGET})
+
+
+def activity_fields(row: Mapping[str, Any], now: float) -> list[str]:
+    """time, who, user@host, outcome, command"""
+    end = ending(row)
     if (g := grant_part(row.get("grant"))) is not None:
-        parts.append(f"[{g}]")
-    parts.append(command_text(row))
-    return line("  ".join(parts), width)
+        end += f" [{g}]"
+    return [
+        clock(row.get("received_at"), now),
+        who(row.get("subject")),
+        target(row),
+        end,
+        command_text(row),
+    ]
 
 
 def activity_rows(
     rows: Iterable[Mapping[str, Any]], width: int | None, now: float | None = None
 ) -> list[str]:
     at = time.time() if now is None else now
-    return [activity_row(r, width, at) for r in rows]
+    return table([activity_fields(r, at) for r in rows], SHRINKABLE, width)
+
+
+def activity_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
+    return activity_rows([row], width, now)[0]
 
 
 def approver(by: object) -> str:
@@ -165,66 +204,74 @@ def approver(by: object) -> str:
     return f"approved by uid {by.get('uid')} (pid {by.get('pid')})"
 
 
-def session_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
-    """id  who  user@host  started  approved by  ended (and why) or live: a live session
-    (the gateway's `sessions` answer: `id`) or one from the journal (`session_id`)."""
+def session_fields(row: Mapping[str, Any], now: float) -> list[str]:
+    """id, who, user@host, started, approved by, and ended (when, why) or live: a live
+    session (the gateway's `sessions` answer: `id`) or one from the journal (`session_id`)."""
     sid = row.get("session_id") or row.get("id")
-    live = "session_id" not in row
-    if live or row.get("end_reason") is None:
+    if "session_id" not in row or row.get("end_reason") is None:
         end = "live"
     else:
         end = f"ended {clock(row.get('ended_at'), now)} {escape_text(str(row['end_reason']))}"
-    parts = [
+    if (g := grant_part(row.get("grant"))) is not None:
+        end += f"  {g}"
+    return [
         escape_text(str(sid)),
-        pad(who(row.get("subject")), WHO_CELLS),
-        pad(target(row), TARGET_CELLS),
+        who(row.get("subject")),
+        target(row),
         f"started {clock(row.get('approved_at'), now)}",
         approver(row.get("approved_by")),
         end,
     ]
-    if (g := grant_part(row.get("grant"))) is not None:
-        parts.append(g)
-    return line("  ".join(parts), width)
 
 
 def session_rows(
     rows: Iterable[Mapping[str, Any]], width: int | None, now: float | None = None
 ) -> list[str]:
     at = time.time() if now is None else now
-    return [session_row(r, width, at) for r in rows]
+    return table([session_fields(r, at) for r in rows], SHRINKABLE, width)
+
+
+def session_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
+    return session_rows([row], width, now)[0]
 
 
 def expiry(expires_at: object, now: float) -> str:
-    """When a card stops waiting: "expires in 43 s (21:53:10)"."""
+    """When a card stops waiting: "in 43 s (21:53:10)", or "at 21:53:10, passed"."""
     if not isinstance(expires_at, int | float):
-        return "expiry unknown"
-    left = expires_at - now
-    if left <= 0:
-        return f"expired ({clock(expires_at, now)})"
-    return f"expires in {left:.0f} s ({clock(expires_at, now)})"
+        return "unknown"
+    if expires_at <= now:
+        return f"at {clock(expires_at, now)}, passed"
+    return f"in {expires_at - now:.0f} s ({clock(expires_at, now)})"
 
 
-def pending_row(card: Mapping[str, Any], width: int | None, now: float) -> str:
-    """id  kind  who  user@host  expires in N s  command"""
-    parts = [
-        escape_text(str(card.get("id"))),
-        escape_text(str(card.get("kind"))),
-        pad(who(card.get("subject")), WHO_CELLS),
-        pad(target(card), TARGET_CELLS),
-        expiry(card.get("expires_at"), now),
-    ]
-    if card.get("file") or card.get("command") is not None:
+def pending_fields(card: Mapping[str, Any], now: float) -> list[str]:
+    """id, who, user@host, kind, expiry, and what it asks (command, file, or a session)"""
+    if card.get("file"):
+        what = command_text(card)
+    elif card.get("command") is not None:
         # a card's command is escaped already (`Card.as_json`); escape_text keeps it as is
-        f = card.get("file")
-        parts.append(command_text(card) if f else escape_text(str(card["command"])))
-    return line("  ".join(parts), width)
+        what = escape_text(str(card["command"]))
+    else:
+        what = "(a session)"
+    return [
+        escape_text(str(card.get("id"))),
+        who(card.get("subject")),
+        target(card),
+        escape_text(str(card.get("kind"))),
+        "expires " + expiry(card.get("expires_at"), now),
+        what,
+    ]
 
 
 def pending_rows(
     cards: Iterable[Mapping[str, Any]], width: int | None, now: float | None = None
 ) -> list[str]:
     at = time.time() if now is None else now
-    return [pending_row(c, width, at) for c in cards]
+    return table([pending_fields(c, at) for c in cards], SHRINKABLE, width)
+
+
+def pending_row(card: Mapping[str, Any], width: int | None, now: float) -> str:
+    return pending_rows([card], width, now)[0]
 
 
 @dataclass(frozen=True)
