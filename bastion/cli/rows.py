@@ -27,7 +27,7 @@ from bastion.core.display import escape_command, escape_text
 ELLIPSIS = "…"
 WHO_CELLS = 24  # the widest run label, process or user@host column before it is cut
 SHRUNK_CELLS = 10  # ... and the narrowest it is cut to, to leave the last column room
-LAST_CELLS = 24  # the room the last column (the command) is given, where a row can
+LAST_CELLS = 16  # the room the last column (the command) is given, where a row can
 
 # `audit activity --outcome`: what the journal says of a request's end (`events.Outcome`,
 # denied, in_flight), and `failed`: completed with a non-zero exit status, or signalled.
@@ -142,7 +142,8 @@ def table(fields: list[list[str]], shrinkable: frozenset[int], width: int | None
     """Rows of fields as aligned columns two spaces apart, the last one free: each column
     as wide as its widest field (at most WHO_CELLS), and when the columns would leave the
     last fewer than LAST_CELLS of `width` (or what it needs, if less), the `shrinkable`
-    ones (who, user@host) cut down, widest first, to no fewer than SHRUNK_CELLS. Every line at most `width - 1` cells."""
+    ones (who, user@host) cut down, widest first, to no fewer than SHRUNK_CELLS. Every
+    line at most `width - 1` cells."""
     if not fields:
         return []
     n = len(fields[0])
@@ -198,30 +199,28 @@ def activity_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
 
 
 def approver(by: object) -> str:
-    """Who approved a session, as the operator socket saw them (older journals: unknown)."""
+    """Who approved a session, as the operator socket saw them: the uid (the pid, which
+    names no one once that process is gone, is in --json); older journals: not recorded."""
     if not isinstance(by, Mapping):
-        return "approved by: not recorded"
-    return f"approved by uid {by.get('uid')} (pid {by.get('pid')})"
+        return "by: not recorded"
+    return f"by uid {by.get('uid')}"
 
 
 def session_fields(row: Mapping[str, Any], now: float) -> list[str]:
-    """id, who, user@host, started, approved by, and ended (when, why) or live: a live
-    session (the gateway's `sessions` answer: `id`) or one from the journal (`session_id`)."""
+    """id, who, user@host, when (since START, or START-END and why it ended) and who
+    approved it: a live session (the gateway's `sessions` answer: `id`) or one from the
+    journal (`session_id`; `end_reason` None while it lives)."""
     sid = row.get("session_id") or row.get("id")
+    started = clock(row.get("approved_at"), now)
     if "session_id" not in row or row.get("end_reason") is None:
-        end = "live"
+        when = f"since {started}"
     else:
-        end = f"ended {clock(row.get('ended_at'), now)} {escape_text(str(row['end_reason']))}"
+        ended = clock(row.get("ended_at"), now)
+        when = f"{started}-{ended} {escape_text(str(row['end_reason']))}"
+    by = approver(row.get("approved_by"))
     if (g := grant_part(row.get("grant"))) is not None:
-        end += f"  {g}"
-    return [
-        escape_text(str(sid)),
-        who(row.get("subject")),
-        target(row),
-        f"started {clock(row.get('approved_at'), now)}",
-        approver(row.get("approved_by")),
-        end,
-    ]
+        by += f"  {g}"
+    return [escape_text(str(sid)), who(row.get("subject")), target(row), when, by]
 
 
 def session_rows(

@@ -45,11 +45,16 @@ def test_an_activity_row_says_when_who_where_how_it_ended_and_what() -> None:
     assert line.endswith("  completed exit 0  systemctl restart app")
 
 
-def test_at_80_columns_long_labels_and_hosts_are_cut_so_the_command_shows() -> None:
+def test_at_80_columns_long_labels_and_hosts_share_the_cut_with_the_command() -> None:
     row = request(subject=subject("a-very-long-run-label-" * 3), host="db-" * 15)
     line = rows.activity_row(row, 80, NOW)
-    assert cells(line) <= 79 and line.endswith("  completed exit 0  systemctl restart app")
-    assert '  run "a-very-…  deploy@db-db…  ' in line  # 13 cells each: all there is
+    assert line == (
+        '21:49:30  run "a-very-lo…  deploy@db-db-db…  completed exit 0  systemctl resta…'
+    )
+    usual = rows.activity_row(request(command="systemctl restart ap"), 80, NOW)
+    assert usual == (  # a usual row fits whole, in 79 cells
+        '21:49:30  run "deploy-bot"  deploy@web1  completed exit 0  systemctl restart ap'
+    )
 
 
 def test_rows_of_one_view_stand_in_aligned_columns() -> None:
@@ -93,10 +98,10 @@ def test_a_grant_shows_its_pattern_and_the_uses_left() -> None:
     assert "[grant gr_1: systemctl restart *, 1 use left]" in line
     session = {"id": "ses_1", "host": "web1", "user": "deploy", "subject": subject("L")}
     two = rows.session_row(session | {"grant": grant | {"remaining": 2}}, None, NOW)
-    assert two.endswith("grant gr_1: systemctl restart *, 2 uses left")
+    assert two.endswith("by: not recorded  grant gr_1: systemctl restart *, 2 uses left")
 
 
-def test_a_live_session_says_who_approved_it_and_that_it_is_live() -> None:
+def test_a_live_session_says_since_when_and_who_approved_it() -> None:
     live = {
         "id": "ses_1",
         "host": "web1",
@@ -107,7 +112,7 @@ def test_a_live_session_says_who_approved_it_and_that_it_is_live() -> None:
     }
     line = rows.session_row(live, None, NOW)
     assert line.startswith('ses_1  run "deploy-bot" ')
-    assert line.endswith("  started 21:49:00  approved by uid 0 (pid 777)  live")
+    assert line.endswith("  since 21:49:00  by uid 0")
 
 
 def test_an_ended_session_says_when_and_why() -> None:
@@ -122,8 +127,8 @@ def test_an_ended_session_says_when_and_why() -> None:
         "end_reason": "process_changed",
     }
     line = rows.session_row(ended, None, NOW)
-    assert "approved by: not recorded  ended 21:49:55 process_changed" in line
-    assert rows.session_row(ended | {"end_reason": None}, None, NOW).endswith("  live")
+    assert line.endswith("  21:40:00-21:49:55 process_changed  by: not recorded")
+    assert "  since 21:40:00  " in rows.session_row(ended | {"end_reason": None}, None, NOW)
 
 
 def test_a_pending_card_says_when_it_expires() -> None:
