@@ -6,16 +6,20 @@ says when each card expires."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import struct
+import subprocess
+import termios
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from bastion.cli.rows import cells
-from tests.harness import Agent, Bastion, policy_toml, run_agent, wait_for
+from tests.harness import Agent, Bastion, cli_argv, policy_toml, run_agent, wait_for
 
 TIME = r"\d\d:\d\d:\d\d"  # a request of today shows its time only
 LABEL = "deploy-bot"
@@ -101,6 +105,41 @@ def test_activity_json_keeps_every_field_and_the_text_fits_the_width(
     narrow = bastion.cli("audit", "activity", "--width", "80").stdout.splitlines()
     assert narrow and all(cells(x) < 80 for x in narrow), narrow
     assert narrow[-1].endswith("xxx…"), narrow[-1]
+
+
+def on_a_terminal(b: Bastion, columns: int, *args: str) -> list[str]:
+    """What the CLI prints on a terminal `columns` wide (a pty: it measures the width
+    itself), its lines as the terminal got them."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {**os.environ, "COLUMNS": "", "LINES": ""}  # the pty's own size, not the test's
+    with subprocess.Popen(cli_argv(b.home.root, *args), stdout=slave, env=env) as proc:
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the other end closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(60) == 0
+    os.close(master)
+    return b"".join(chunks).decode().replace("\r\n", "\n").splitlines()
+
+
+def test_on_an_80_column_terminal_every_row_fits_and_keeps_time_and_label(
+    bastion: Bastion, history: tuple[Agent, Agent]
+) -> None:
+    _, plain = history
+    assert plain.run("echo " + "z" * 200).rc == 0
+    lines = on_a_terminal(bastion, 80, "audit", "activity", "--host", "web1", "--since", "10m")
+    assert len(lines) == 4 and all(cells(x) < 80 for x in lines), lines
+    assert re.match(rf'{TIME}  run "{LABEL}"  ', lines[0]), lines
+    assert lines[-1].endswith("zzz…"), lines
+    wide = on_a_terminal(bastion, 200, "audit", "activity", "--host", "web1")  # the control
+    assert "z" * 120 in wide[-1] and cells(wide[-1]) < 200, wide
 
 
 @pytest.mark.parametrize("bad", ["yesterday", "10", "25:00"])
