@@ -175,6 +175,23 @@ def test_sessions_show_the_run_label_and_who_approved_and_the_journal_why_they_e
     assert journaled["run"] == LABEL and journaled["approved_by"] == live["approved_by"]
 
 
+def test_who_approved_is_what_the_kernel_says_not_what_the_request_says(
+    bastion: Bastion,
+) -> None:
+    """The operator socket records its peer (SO_PEERCRED) with the answer; an `operator`
+    argument in the request is replaced, never believed."""
+    agent = bastion.agent()
+    rid = agent.start("true")
+    card = bastion.next_card()
+    forged = {"uid": 4242, "pid": 1}
+    bastion.op("answer", card=card["id"], approve=True, operator=forged)
+    assert agent.wait(rid).rc == 0
+    (live,) = bastion.op("sessions")
+    assert live["approved_by"] == {"uid": os.getuid(), "pid": os.getpid()}  # the control
+    (journaled,) = json.loads(bastion.cli("audit", "sessions", "--json").stdout)
+    assert journaled["approved_by"] == live["approved_by"] != forged
+
+
 def test_pending_shows_when_each_card_expires(bastion: Bastion) -> None:
     agent = bastion.agent()
     rid = agent.start("true")
