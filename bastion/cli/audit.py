@@ -9,6 +9,7 @@ the CLI starts without cryptography or asyncssh).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,17 @@ from typing import Any
 import click
 
 from bastion import opsock
-from bastion.cli.common import emit, fail, home_of, passphrase_option, read_passphrase
+from bastion.cli import rows
+from bastion.cli.common import (
+    emit,
+    fail,
+    home_of,
+    passphrase_option,
+    read_passphrase,
+    screen_width,
+    width_option,
+)
 from bastion.cli.export import export
-from bastion.core.display import escape_text
 
 
 @click.group()
@@ -149,53 +158,108 @@ def _audit_view(ctx: click.Context, view: str, passphrase_stdin: bool, use_keyri
         fail(str(exc))
 
 
-def _activity_line(a: dict[str, Any]) -> str:
-    end = a["outcome"] + (f" {a['code']}" if a.get("code") else "")
-    if a.get("exit_status") is not None:
-        end += f" exit {a['exit_status']}"
-    cert = a.get("certificate")
-    if cert:  # what the target's sshd logged for this login: ID <request id> (serial N)
-        end += f" cert serial {cert['serial']}"
-    line = f"{a['request_id']}  {a['user']}@{a['host']}  {end:<28} {a['command']!r}"
-    return escape_text(line)  # user, host and command came from an agent
+class When(click.ParamType):
+    """`--since`/`--until`: a duration ago or a local time (`rows.parse_when`); anything
+    else is a usage error, never a traceback."""
+
+    name = "when"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            return value
+        try:
+            return rows.parse_when(str(value), time.time())
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
-def _view_command(name: str, row: Callable[[dict[str, Any]], str], empty: str, doc: str) -> None:
-    """`audit activity` and `audit sessions`: one view each, the same options."""
-
-    @audit.command(name, help=doc)
-    @click.option("--json", "as_json", is_flag=True)
-    @passphrase_option("Read the journal without a gateway.")
-    @click.option(
-        "--keyring",
-        "use_keyring",
-        is_flag=True,
-        help="Read the vault passphrase from the OS keyring.",
-    )
-    @click.pass_context
-    def command(
-        ctx: click.Context, as_json: bool, passphrase_stdin: bool, use_keyring: bool
-    ) -> None:
-        rows = _audit_view(ctx, name, passphrase_stdin, use_keyring)
-        emit(rows, as_json, lambda rs: "\n".join(map(row, rs)) or empty)
-
-
-def _session_row(r: dict[str, Any]) -> str:
-    pid = (r["subject"] or {}).get("pid")
-    return escape_text(
-        f"{r['session_id']}  {r['user']}@{r['host']}  pid {pid}  ended: {r['end_reason'] or 'live'}"
-    )
+def _journal_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """What every view takes: --json, --width, and the offline passphrase."""
+    for option in reversed(
+        (
+            click.option("--json", "as_json", is_flag=True, help="Every field of every row."),
+            width_option(),
+            passphrase_option("Read the journal without a gateway."),
+            click.option(
+                "--keyring",
+                "use_keyring",
+                is_flag=True,
+                help="Read the vault passphrase from the OS keyring.",
+            ),
+        )
+    ):
+        command = option(command)
+    return command
 
 
-_view_command(
-    "activity",
-    _activity_line,
-    "(no requests)",
-    "One row per request: what was asked, by whom, and how it ended.",
+@audit.command("activity")
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    help="Only requests for this host (repeatable, or comma-separated; any case).",
 )
-_view_command(
-    "sessions",
-    _session_row,
-    "(no sessions)",
-    "One row per session approval: who, what, when, and why it ended.",
+@click.option("--run", "run_label", default=None, help="Only requests of the run with this label.")
+@click.option(
+    "--since", type=When(), default=None, help=f"Only requests received since: {rows.WHEN_HELP}."
 )
+@click.option(
+    "--until", type=When(), default=None, help="Only requests received until then (as --since)."
+)
+@click.option(
+    "--outcome",
+    "outcomes",
+    multiple=True,
+    type=click.Choice(rows.OUTCOMES),
+    help="Only requests that ended so (repeatable): completed, failed (completed with a "
+    "non-zero exit status, or signalled), signalled, denied, remote_rejected, not_started "
+    "(nothing was sent), unknown (sent, no answer known), in_flight.",
+)
+@click.option(
+    "--grep",
+    default=None,
+    help="Only requests whose command (as the agent sent it) or file path contains this "
+    "text: a plain, case-sensitive substring, not a pattern.",
+)
+@_journal_options
+@click.pass_context
+def audit_activity(
+    ctx: click.Context,
+    hosts: tuple[str, ...],
+    run_label: str | None,
+    since: float | None,
+    until: float | None,
+    outcomes: tuple[str, ...],
+    grep: str | None,
+    as_json: bool,
+    width: int | None,
+    passphrase_stdin: bool,
+    use_keyring: bool,
+) -> None:
+    """One row per request: when it was received, who asked (the run's label, or the
+    process), user@host, how it ended (outcome, code, exit status) and the command,
+    escaped and cut to the width. --json keeps every field of each row it shows."""
+    keep = rows.ActivityFilter(
+        hosts=frozenset(h.strip().lower() for hs in hosts for h in hs.split(",") if h.strip()),
+        run=run_label,
+        since=since,
+        until=until,
+        outcomes=frozenset(outcomes),
+        grep=grep,
+    )
+    kept = keep.select(_audit_view(ctx, "activity", passphrase_stdin, use_keyring))
+    cut = screen_width(width)
+    emit(kept, as_json, lambda rs: "\n".join(rows.activity_rows(rs, cut)) or "(no requests)")
+
+
+@audit.command("sessions")
+@_journal_options
+@click.pass_context
+def audit_sessions(
+    ctx: click.Context, as_json: bool, width: int | None, passphrase_stdin: bool, use_keyring: bool
+) -> None:
+    """One row per session approval: its id, for whom (the run's label, or the process),
+    user@host, when it started, who approved it, and when and why it ended (or live)."""
+    found = _audit_view(ctx, "sessions", passphrase_stdin, use_keyring)
+    cut = screen_width(width)
+    emit(found, as_json, lambda rs: "\n".join(rows.session_rows(rs, cut)) or "(no sessions)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import getpass
 import io
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -142,3 +143,23 @@ class LineStdin:
 
     def isatty(self) -> bool:
         return False
+
+
+def width_option() -> Callable[[F], F]:
+    """`--width`, which the one-row-per-item views take (`audit activity`, `sessions`, ...)."""
+    return click.option(
+        "--width",
+        type=click.IntRange(0, 10_000),
+        default=None,
+        help="Cut each row to this many columns (0: never cut). "
+        "Default: the terminal's width, or no cut when the output is not a terminal.",
+    )
+
+
+def screen_width(width: int | None) -> int | None:
+    """The width rows are cut to: the one asked for, else the terminal's; None: no cut."""
+    if width is not None:
+        return width or None
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns

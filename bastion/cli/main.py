@@ -31,8 +31,10 @@ from bastion.cli.common import (
     passphrase_option,
     read_passphrase,
     save_to_keyring,
+    screen_width,
+    width_option,
 )
-from bastion.core.display import describe_run, escape_text
+from bastion.core.display import escape_text
 from bastion.data import EXAMPLE_POLICY
 from bastion.home import default_home
 
@@ -268,10 +270,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
 )
 @click.pass_context
 def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
-    """Cards waiting for an operator's answer."""
+    """Cards waiting for an operator's answer, each with when it expires."""
     from bastion.cli.cardview import UNWRAPPED, render_card
+    from bastion.cli.rows import expiry
 
     cards = op(ctx, "pending", timeout=wait + 30, wait=wait)
+    now = time.time()
     # A terminal gets lines that fit it; a pipe gets them whole, for grep.
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else UNWRAPPED
     emit(
@@ -279,7 +283,9 @@ def pending(ctx: click.Context, as_json: bool, wait: float) -> None:
         as_json,
         lambda cs: (
             "\n\n".join(
-                render_card(c, width=width) + f"\n  decide:   bastion decide {c['id']} approve|deny"
+                render_card(c, width=width)
+                + f"\n  expires:  {expiry(c.get('expires_at'), now)}"
+                + f"\n  decide:   bastion decide {c['id']} approve|deny"
                 for c in cs
             )
             or "(no pending cards)"
@@ -320,20 +326,18 @@ def decide(ctx: click.Context, card_id: str, answer: str) -> None:
     click.echo(f"{card_id}: {'approved' if answer == 'approve' else 'denied'}")
 
 
-def _session_line(r: dict[str, Any]) -> str:
-    s = r["subject"]
-    line = escape_text(f"{r['id']}  {r['user']}@{r['host']}  pid {s['pid']} {s['exe']}")
-    run = describe_run(s, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["start_time"])))
-    return line if run is None else f"{line}  {run}"
-
-
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@width_option()
 @click.pass_context
-def sessions(ctx: click.Context, as_json: bool) -> None:
-    """Live session approvals."""
-    rows = op(ctx, "sessions")
-    emit(rows, as_json, lambda rs: "\n".join(map(_session_line, rs)) or "(no live sessions)")
+def sessions(ctx: click.Context, as_json: bool, width: int | None) -> None:
+    """Live session approvals: id, for whom (the run's label, or the process), user@host,
+    when it started and who approved it. Ended ones: `bastion audit sessions`."""
+    from bastion.cli.rows import session_rows
+
+    found = op(ctx, "sessions")
+    cut = screen_width(width)
+    emit(found, as_json, lambda rs: "\n".join(session_rows(rs, cut)) or "(no live sessions)")
 
 
 @main.command()

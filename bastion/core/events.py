@@ -355,8 +355,19 @@ def export_event(
     return out if with_commands else without_commands(out)
 
 
+def run_label(subject: object) -> str | None:
+    """The label of the registered run a subject (`Subject.as_json`) is, if it is one:
+    what the run's start said (a claim, shown as one)."""
+    if not isinstance(subject, Mapping):
+        return None
+    info = subject.get("run_info")
+    label = info.get("label") if isinstance(info, Mapping) else subject.get("run")
+    return label if isinstance(label, str) else None
+
+
 def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per request: what was asked, by whom, and how it ended."""
+    """One row per request: what was asked, when, by whom (the run's label, or the
+    process), and how and when it ended."""
     rows: dict[str, dict[str, Any]] = {}
     for entry, e in events:
         rid = entry.meta.get("request_id")
@@ -378,13 +389,17 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "subject": e.get("subject"),
                 "received_at": e.get("t"),
                 "certificate": None,
+                "run": run_label(e.get("subject")),
+                "ended_at": None,
             } | ({"file": e["file"]} if e.get("file") else {})  # an sftp operation's
             continue
         row = rows.get(rid)
         if row is None:
             continue
         if kind is EventType.DENIED:
-            row.update(outcome=RequestState.DENIED.value, code=entry.meta.get("code"))
+            row.update(
+                outcome=RequestState.DENIED.value, code=entry.meta.get("code"), ended_at=e.get("t")
+            )
         elif kind is EventType.DISPATCH_STARTED:
             row.update(
                 session_id=entry.meta.get("session_id"), outcome=RequestState.IN_FLIGHT.value
@@ -397,6 +412,7 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 code=entry.meta.get("code"),
                 exit_status=entry.meta.get("exit_status"),
                 cause=entry.meta.get("cause"),
+                ended_at=e.get("t"),
             )
     return list(rows.values())
 
@@ -409,7 +425,9 @@ def certificate_of(entry: Entry) -> dict[str, Any]:
 
 
 def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per session approval: when it began, when and why it ended."""
+    """One row per session approval: for whom (the run's label, or the process), when
+    it began and who approved it (`approved_by`: the operator socket's peer, in
+    journals written since it was recorded; None before), when and why it ended."""
     rows: dict[str, dict[str, Any]] = {}
     for entry, e in events:
         sid = entry.meta.get("session_id")
@@ -423,6 +441,8 @@ def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "approved_at": e.get("t"),
                 "ended_at": None,
                 "end_reason": None,
+                "run": run_label(e.get("subject")),
+                "approved_by": e.get("approved_by"),
             }
         elif kind is EventType.SESSION_ENDED and sid in rows:
             rows[sid].update(ended_at=e.get("t"), end_reason=entry.meta.get("reason"))

@@ -62,6 +62,7 @@ from bastion.core.files import (
     needs_file_card,
     op_problem,
 )
+from bastion.core.opguard import Operator
 from bastion.core.policy import (
     Account,
     ApprovalMode,
@@ -112,6 +113,7 @@ class SessionGrant:
     vault_epoch: int
     entry_digest: str
     approved_at: float
+    approved_by: Operator | None = None  # the operator socket's peer that answered the card
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,18 @@ class Caller:
     below_agent: bool  # it, or an ancestor, is a process the gateway knows as an agent
 
 
+@dataclass(frozen=True)
+class Operator:
+    """Who answered a card, as the operator socket's kernel saw the peer (SO_PEERCRED):
+    journaled with the session approval it gave, so `sessions` can say who approved."""
+
+    uid: int
+    pid: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"uid": self.uid, "pid": self.pid}
+
+
 def admit(caller: Caller, daemon_uid: int) -> str | None:
     """Why `caller` may not speak for the operator, or None if it may."""
     if caller.uid not in (daemon_uid, ROOT_UID):

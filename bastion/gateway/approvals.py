@@ -21,6 +21,7 @@ from bastion.core.cards import Card
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
 from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, SessionGrant
+from bastion.core.opguard import Operator
 from bastion.core.subject import Subject, SubjectKey
 
 
@@ -119,8 +120,16 @@ class ApprovalBook:
         seen = bool(o and o.approver_seen)
         return self.close_card(card_id, CardEnding.TIMEOUT if seen else CardEnding.UNSEEN)
 
-    def answer(self, card_id: str, approve: bool, vault_epoch: int, locked: bool) -> Card:
-        """Apply an operator's answer, or refuse it if the card's world is gone."""
+    def answer(
+        self,
+        card_id: str,
+        approve: bool,
+        vault_epoch: int,
+        locked: bool,
+        by: Operator | None = None,
+    ) -> Card:
+        """Apply an operator's answer (`by`: who gave it, journaled with a session
+        approval), or refuse it if the card's world is gone."""
         o = self._cards.get(card_id)
         if o is None or o.future.done():
             raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
@@ -130,7 +139,7 @@ class ApprovalBook:
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
         if approve:
             if card.kind is CardKind.SESSION:
-                self._grant_session(card)
+                self._grant_session(card, by)
             else:
                 self._grant_command(card)
         self.close_card(card_id, CardEnding.APPROVED if approve else CardEnding.DECLINED)
@@ -154,7 +163,7 @@ class ApprovalBook:
 
     # -- session grants ----------------------------------------------------------
 
-    def _grant_session(self, card: Card) -> SessionGrant:
+    def _grant_session(self, card: Card, by: Operator | None = None) -> SessionGrant:
         user = card.binding.user
         grant = SessionGrant(
             id="ses_" + secrets.token_hex(6),
@@ -165,6 +174,7 @@ class ApprovalBook:
             vault_epoch=card.vault_epoch,
             entry_digest=card.entry_digest,
             approved_at=self.clock(),
+            approved_by=by,
         )
         self._sessions[(card.subject.key, card.host.lower(), user)] = _Live(
             grant, card.subject, card.conversation

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from bastion.core.cards import Card
 from bastion.core.events import EventType
 from bastion.core.gate import CardEnding, EndReason
+from bastion.core.opguard import Operator
 from bastion.core.subject import Subject
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.recorder import Recorder
@@ -77,9 +78,9 @@ class Authority:
                 len(gone),
             )
 
-    def answer(self, card_id: str, approve: bool) -> Card:
+    def answer(self, card_id: str, approve: bool, by: Operator | None = None) -> Card:
         """An operator's answer to one card (`bastion decide`, the approve prompt)."""
-        card = self.book.answer(card_id, approve, self.vault.epoch, self.vault.locked)
+        card = self.book.answer(card_id, approve, self.vault.epoch, self.vault.locked, by)
         if not self.alive(card.subject.pid, card.subject.start_time):
             self.subject_exited(card.subject)
         log.info(

@@ -24,10 +24,11 @@ from typing import Any, Protocol
 
 from bastion import ops
 from bastion.core.events import EventType
+from bastion.core.opguard import Operator
 from bastion.core.policy import PolicyError
 from bastion.gateway.approvals import ApprovalBook, CardError
 from bastion.gateway.authority import Authority
-from bastion.gateway.opserver import Handler
+from bastion.gateway.opserver import OPERATOR_ARG, Handler
 from bastion.gateway.recorder import ForeignRecords
 from bastion.gateway.service import Service
 from bastion.home import Home
@@ -210,9 +211,10 @@ class Control:
 
     async def answer(self, args: dict[str, Any]) -> dict[str, Any]:
         card_id, approve = text_arg(args, "card"), flag_arg(args, "approve")
+        by = args.get(OPERATOR_ARG)
         self.book.note_operator()
         try:
-            card = self.authority.answer(card_id, approve)
+            card = self.authority.answer(card_id, approve, by if isinstance(by, Operator) else None)
         except CardError as exc:
             raise OperatorError(str(exc)) from None
         return {"card": card.id, "approved": approve}
@@ -226,6 +228,7 @@ class Control:
                 "subject": s.as_json(),
                 "approved_at": g.approved_at,
                 "vault_epoch": g.vault_epoch,
+                "approved_by": g.approved_by.as_json() if g.approved_by else None,
             }
             for g, s in self.book.sessions()
         ]

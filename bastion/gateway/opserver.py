@@ -35,6 +35,11 @@ from bastion.opsock import MAX_LINE, OperatorError, loads_line
 log = logging.getLogger("bastion.operator")
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+
+# The argument the server itself adds to every request: who is asking (`opguard.Operator`,
+# from SO_PEERCRED), so an answer is journaled with who gave it. A client's own value
+# under this name is replaced, never believed.
+OPERATOR_ARG = "operator"
 Stream = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
 
 REQUEST_TIMEOUT = 60.0  # seconds a client may take to send its next request line
@@ -206,8 +211,11 @@ async def _converse(
     agent_processes: Callable[[], set[tuple[int, float]]],
 ) -> None:
     """Answer each line; a malformed one is answered once and ends the connection."""
-    caller = observe(writer.get_extra_info("socket"), agent_processes())
+    sock = writer.get_extra_info("socket")
+    caller = observe(sock, agent_processes())
     refusal = opguard.admit(caller, daemon_uid)
+    pid, uid, _ = peer_credentials(sock)
+    operator = opguard.Operator(uid, pid)
     while True:
         try:
             line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT)
@@ -227,6 +235,7 @@ async def _converse(
             await _reply(writer, _error(parsed))
             return
         op, request = parsed
+        request[OPERATOR_ARG] = operator
         if op in streams:  # closed at once when the client leaves (its finally runs now)
             async with contextlib.aclosing(streams[op](request)) as events:  # type: ignore[type-var]
                 async for event in events:

@@ -249,7 +249,8 @@ class Recorder:
                     "subject": subject.as_json(),
                     "vault_epoch": grant.vault_epoch,
                     "entry_digest": grant.entry_digest,
-                },
+                }
+                | ({"approved_by": grant.approved_by.as_json()} if grant.approved_by else {}),
             )
         else:
             self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})

@@ -845,7 +845,8 @@ def check_sessions(w: World, r: Out) -> None:
     a = w.seen["session_agent"]
     assert (row["host"], row["user"], row["subject"]["pid"]) == ("web1", USER, a.pid)
     human = ok(w.cli("sessions")).stdout
-    assert human.startswith(f"{row['id']}  {USER}@web1  pid {a.pid} "), human
+    assert human.startswith(f"{row['id']}  pid {a.pid} "), human
+    assert f"  {USER}@web1  since " in human, human
 
 
 def unknown_id(ident: str, *phrases: str) -> Callable[[World, Out], None]:
