@@ -49,36 +49,43 @@ class Card:
     stdin: Stdin | None = None  # command cards: the stdin read before it (None: not read)
     file: FileOp | None = None  # a file card: the operation (path, size, sha256, mode)
     terminal: bool = False  # command cards: it runs with a terminal (the account's `pty`)
+    # command cards: a yes may be widened to a bounded grant (`core/grants`): the account
+    # has `grants = true` and the command is argv, with no file and no terminal
+    grantable: bool = False
 
     def as_json(self, preview: bool = True) -> dict[str, object]:
         """The card for an operator's screen; `preview=False` for the journal, which
         records stdin's size and digest, never its content."""
         b = self.binding
-        return {
-            "id": self.id,
-            "kind": self.kind.value,
-            "request_id": self.request_id,
-            "reason": self.reason.value if self.reason else None,
-            "host": self.host,
-            "address": b.address,
-            "port": b.port,
-            "user": b.user,
-            "credential": b.credential,
-            "host_key_fingerprint": b.host_key_fingerprint,
-            "command": self.command,
-            "command_sha256": b.what,
-            "argv": list(self.argv) if self.argv is not None else None,
-            "shell_syntax": [c.as_json() for c in self.shell_syntax],
-            "command_marks": [list(m) for m in self.command_marks],
-            "subject": self.subject.as_json(),
-            "chain": [p.as_json() for p in self.chain],
-            "conversation": self.conversation,
-            "vault_epoch": self.vault_epoch,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "stdin": stdin_json(self.stdin, preview),
-            "terminal": self.terminal,
-        } | ({"file": _file_json(self.file)} if self.file is not None else {})
+        return (
+            {
+                "id": self.id,
+                "kind": self.kind.value,
+                "request_id": self.request_id,
+                "reason": self.reason.value if self.reason else None,
+                "host": self.host,
+                "address": b.address,
+                "port": b.port,
+                "user": b.user,
+                "credential": b.credential,
+                "host_key_fingerprint": b.host_key_fingerprint,
+                "command": self.command,
+                "command_sha256": b.what,
+                "argv": list(self.argv) if self.argv is not None else None,
+                "shell_syntax": [c.as_json() for c in self.shell_syntax],
+                "command_marks": [list(m) for m in self.command_marks],
+                "subject": self.subject.as_json(),
+                "chain": [p.as_json() for p in self.chain],
+                "conversation": self.conversation,
+                "vault_epoch": self.vault_epoch,
+                "created_at": self.created_at,
+                "expires_at": self.expires_at,
+                "stdin": stdin_json(self.stdin, preview),
+                "terminal": self.terminal,
+            }
+            | ({"file": _file_json(self.file)} if self.file is not None else {})
+            | ({"grantable": True} if self.grantable else {})
+        )
 
 
 def _file_json(op: FileOp) -> dict[str, object]:
@@ -161,4 +168,11 @@ def make_card(
         stdin=req.stdin if is_command else None,
         file=file,
         terminal=is_command and req.terminal is not None,
+        grantable=(
+            is_exec
+            and verdict.account.grants
+            and reading is not None
+            and reading.argv is not None
+            and req.terminal is None
+        ),
     )
