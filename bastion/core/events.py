@@ -325,7 +325,7 @@ def request_state(
 
 # Fields that carry command text (an agent's command can hold secrets): collectors get
 # them only when asked (`audit export --with-commands`); digests always go.
-_COMMAND_FIELDS = ("command", "argv", "cmdline")
+_COMMAND_FIELDS = ("command", "argv", "cmdline", "pattern", "pattern_words")  # a grant's too
 
 
 def without_commands(row: dict[str, Any]) -> dict[str, Any]:

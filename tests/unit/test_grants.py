@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bastion.core.contract import Code, Failure
-from bastion.core.events import EventType, Outcome, Result, activity
+from bastion.core.events import EventType, Outcome, Result, activity, export_event
 from bastion.core.gate import CardKind, Request
 from bastion.core.grants import (
     Bound,
@@ -433,3 +433,14 @@ async def test_a_session_card_cannot_carry_a_grant() -> None:
     await task
     with pytest.raises(CardError):
         rig.life.authority.answer(card.id, True)
+
+
+async def test_a_grants_pattern_is_command_text_collectors_get_only_when_asked() -> None:
+    rig = Rig()
+    await rig.granted(uses=2)
+    (made,) = rig.journal.of(EventType.GRANT_MADE)
+    shown = export_event(made, made.event, with_commands=True)
+    assert shown["pattern"] == "systemctl restart *" and shown["grant"] == made.meta["grant"]
+    quiet = export_event(made, made.event)
+    assert quiet["pattern"] is None and quiet["pattern_words"] is None
+    assert quiet["grant"] == made.meta["grant"] and quiet["uses"] == 2
