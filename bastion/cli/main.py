@@ -306,8 +306,10 @@ def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
     help="With approve, on a command card of an account with `grants = true`: also run "
     "later commands matching PATTERN without a card -- the card's own argv with chosen "
     "words replaced by * (one * is one word; the program stays literal), e.g. "
-    "'systemctl restart *'. Needs --uses and/or --minutes (whichever ends first). It ends "
-    "with the session (lock, revoke, process change, restart, policy change).",
+    "'systemctl restart *'. Needs --uses and/or --minutes (whichever ends first). Never "
+    "covers shell source, stdin bytes or a terminal, nor anything the account's rules "
+    "refuse; it ends with the session (lock, revoke, process change, restart, policy "
+    "change).",
 )
 @click.option("--uses", type=click.IntRange(1, 100), help="Commands the grant covers (1-100).")
 @click.option("--minutes", type=click.IntRange(1, 480), help="Minutes the grant lasts (1-480).")

@@ -1,6 +1,10 @@
 """The approval book: open cards, and the grants their answers create.
 
 Grants live in memory only: a gateway restart ends them all, by construction.
+A bounded grant (`core/grants`) is kept beside the session it extends and ends
+with it (lock, revoke, process change, policy change), or on its own when its
+uses or minutes run out; each use is taken here (`use_grant`) as a command grant
+for one exact command, spent like a card's.
 Once the world a card was asked in is gone -- the process exited, the
 connection closed, the vault locked -- the card is withdrawn and an answer to
 it is refused. An answer never sends anything by itself: it only wakes the
