@@ -368,6 +368,8 @@ class ApprovalBook:
             return None
         left = None if grant.uses_left is None else grant.uses_left - 1
         self._grants[grant_id] = replace(grant, uses_left=left)
+        # as `_grant_command`: uses whose requests never came back for them expire
+        self._command_grants = {c: g for c, g in self._command_grants.items() if g.expires_at > now}
         key = f"{grant_id}:{request_id}"
         self._command_grants[key] = CommandGrant(
             id="cmd_" + secrets.token_hex(6),
