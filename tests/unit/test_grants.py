@@ -24,8 +24,10 @@ from bastion.core.grants import (
 from bastion.core.policy import PolicyError, build_policy, entry_digest
 from bastion.core.stdin import Stdin, StdinEnd
 from bastion.gateway.approvals import CardError, GrantAsk
+from bastion.gateway.control import grant_arg
 from bastion.gateway.service import AgentConn, new_request_id
 from bastion.gateway.stdin import Taken
+from bastion.opsock import OperatorError
 from tests.unit.fakes import (
     KEY,
     PASSPHRASE,
@@ -444,3 +446,26 @@ async def test_a_grants_pattern_is_command_text_collectors_get_only_when_asked()
     quiet = export_event(made, made.event)
     assert quiet["pattern"] is None and quiet["pattern_words"] is None
     assert quiet["grant"] == made.meta["grant"] and quiet["uses"] == 2
+
+
+@pytest.mark.parametrize(
+    "value,ok",
+    [
+        (None, True),
+        ({"pattern": "systemctl restart *", "uses": 2, "minutes": None}, True),
+        ({"pattern": "systemctl restart *", "minutes": 10}, True),
+        ("systemctl restart *", False),
+        ({"pattern": "systemctl restart *", "uses": "2"}, False),
+        ({"pattern": "systemctl restart *", "uses": True}, False),
+        ({"pattern": 7, "uses": 2}, False),
+        ({"pattern": "systemctl restart *", "uses": 2, "words": 3}, False),
+    ],
+)
+def test_the_answer_requests_grant_argument_is_checked_for_its_shape(value: Any, ok: bool) -> None:
+    args = {"card": "cc_1", "approve": True} | ({"grant": value} if value is not None else {})
+    if ok:
+        ask = grant_arg(args)
+        assert (ask is None) == (value is None)
+    else:
+        with pytest.raises(OperatorError):
+            grant_arg(args)
