@@ -18,7 +18,7 @@ import pytest
 
 from bastion import journal
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import Agent, Bastion, make_bastion, policy_toml
+from tests.harness import Agent, Bastion, make_bastion, policy_toml, run_agent
 
 
 @pytest.fixture
@@ -169,3 +169,22 @@ def test_a_grant_the_policy_or_the_card_does_not_allow_is_refused(
         assert agent.wait(rid).rc == 0
     finally:
         b.close()
+
+
+def test_a_grant_is_for_its_run_alone(granting: Bastion) -> None:
+    """Made for one `bastion run`, a grant covers that run's commands (each its own ssh
+    process) and no other agent's: another run, and a process outside any run, ask."""
+    b = granting
+    run = run_agent(b, "--label", "granted")
+    card = first_command(b, run, "echo restart a", "--grant", "echo restart *", "--uses", "5")
+    assert card["subject"]["kind"] == "registered run", card["subject"]
+    covered(b, run, "echo restart b")  # the control: its own run
+    for other in (run_agent(b, "--label", "other"), b.agent()):
+        rid = other.start("echo restart c")
+        assert b.approve_next()["kind"] == "session"
+        card = b.next_card()
+        assert card["kind"] == "command", card
+        b.answer(card, False)
+        assert other.wait(rid).code == "CALL_DENIED"
+    (grant,) = live_grants(b)
+    assert grant["uses_left"] == 4
