@@ -57,35 +57,39 @@ class Card:
         """The card for an operator's screen; `preview=False` for the journal, which
         records stdin's size and digest, never its content."""
         b = self.binding
-        return (
-            {
-                "id": self.id,
-                "kind": self.kind.value,
-                "request_id": self.request_id,
-                "reason": self.reason.value if self.reason else None,
-                "host": self.host,
-                "address": b.address,
-                "port": b.port,
-                "user": b.user,
-                "credential": b.credential,
-                "host_key_fingerprint": b.host_key_fingerprint,
-                "command": self.command,
-                "command_sha256": b.what,
-                "argv": list(self.argv) if self.argv is not None else None,
-                "shell_syntax": [c.as_json() for c in self.shell_syntax],
-                "command_marks": [list(m) for m in self.command_marks],
-                "subject": self.subject.as_json(),
-                "chain": [p.as_json() for p in self.chain],
-                "conversation": self.conversation,
-                "vault_epoch": self.vault_epoch,
-                "created_at": self.created_at,
-                "expires_at": self.expires_at,
-                "stdin": stdin_json(self.stdin, preview),
-                "terminal": self.terminal,
-            }
-            | ({"file": _file_json(self.file)} if self.file is not None else {})
-            | ({"grantable": True} if self.grantable else {})
-        )
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "request_id": self.request_id,
+            "reason": self.reason.value if self.reason else None,
+            "host": self.host,
+            "address": b.address,
+            "port": b.port,
+            "user": b.user,
+            "credential": b.credential,
+            "host_key_fingerprint": b.host_key_fingerprint,
+            "command": self.command,
+            "command_sha256": b.what,
+            "argv": list(self.argv) if self.argv is not None else None,
+            "shell_syntax": [c.as_json() for c in self.shell_syntax],
+            "command_marks": [list(m) for m in self.command_marks],
+            "subject": self.subject.as_json(),
+            "chain": [p.as_json() for p in self.chain],
+            "conversation": self.conversation,
+            "vault_epoch": self.vault_epoch,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "stdin": stdin_json(self.stdin, preview),
+            "terminal": self.terminal,
+        } | _extra_json(self)
+
+
+def _extra_json(card: Card) -> dict[str, object]:
+    """The keys only some cards have: a file card's operation; a grantable command card's
+    `grantable` (its yes may be widened to a bounded grant, `core/grants`)."""
+    return ({"file": _file_json(card.file)} if card.file is not None else {}) | (
+        {"grantable": True} if card.grantable else {}
+    )
 
 
 def _file_json(op: FileOp) -> dict[str, object]:
