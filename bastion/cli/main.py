@@ -319,11 +319,48 @@ def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
 @main.command()
 @click.argument("card_id", shell_complete=comp.complete_card)
 @click.argument("answer", type=click.Choice(["approve", "deny"]))
+@click.option(
+    "--grant",
+    "pattern",
+    metavar="PATTERN",
+    help="With approve, on a command card of an account with `grants = true`: also run "
+    "later commands matching PATTERN without a card -- the card's own argv with chosen "
+    "words replaced by * (one * is one word; the program stays literal), e.g. "
+    "'systemctl restart *'. Needs --uses and/or --minutes (whichever ends first). Never "
+    "covers shell source, stdin bytes or a terminal, nor anything the account's rules "
+    "refuse; it ends with the session (lock, revoke, process change, restart, policy "
+    "change).",
+)
+@click.option("--uses", type=click.IntRange(1, 100), help="Commands the grant covers (1-100).")
+@click.option("--minutes", type=click.IntRange(1, 480), help="Minutes the grant lasts (1-480).")
 @click.pass_context
-def decide(ctx: click.Context, card_id: str, answer: str) -> None:
-    """Answer one card."""
-    op(ctx, "answer", card=card_id, approve=answer == "approve")
+def decide(
+    ctx: click.Context,
+    card_id: str,
+    answer: str,
+    pattern: str | None,
+    uses: int | None,
+    minutes: int | None,
+) -> None:
+    """Answer one card (and, with --grant, widen a yes to a bounded grant)."""
+    if pattern is None and (uses is not None or minutes is not None):
+        raise click.UsageError("--uses and --minutes bound a grant: give --grant PATTERN too")
+    grant = None
+    if pattern is not None:
+        if answer != "approve":
+            raise click.UsageError("--grant widens a yes: use it with approve")
+        if uses is None and minutes is None:
+            raise click.UsageError("a grant needs --uses and/or --minutes")
+        grant = {"pattern": pattern, "uses": uses, "minutes": minutes}
+    reply = op(ctx, "answer", card=card_id, approve=answer == "approve", grant=grant)
     click.echo(f"{card_id}: {'approved' if answer == 'approve' else 'denied'}")
+    made = reply.get("grant") if isinstance(reply, dict) else None
+    if made:
+        bound = [f"{made['uses_left']} use(s)"] if made.get("uses_left") is not None else []
+        if made.get("expires_at") is not None:
+            until = time.strftime("%H:%M:%S", time.localtime(made["expires_at"]))
+            bound.append(f"until {until}")
+        click.echo(escape_text(f"grant {made['id']}: {made['pattern']} ({', '.join(bound)})"))
 
 
 @main.command()

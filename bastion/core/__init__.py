@@ -13,7 +13,8 @@ told: codes, exit statuses, the `Refusal`), `errors` (the root exception),
 `events` (the journal's vocabulary and its folds), `display` (what a person is
 shown), `options` (options that run programs), `sharing` (what an agent is told
 of a shared ssh connection), `terminal` (the terminal an ssh client asked for),
-`defaults` (every tunable, once).
+`grants` (bounded grants: a yes widened to an argv pattern, for uses or
+minutes), `defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

@@ -49,6 +49,9 @@ class Card:
     stdin: Stdin | None = None  # command cards: the stdin read before it (None: not read)
     file: FileOp | None = None  # a file card: the operation (path, size, sha256, mode)
     terminal: bool = False  # command cards: it runs with a terminal (the account's `pty`)
+    # command cards: a yes may be widened to a bounded grant (`core/grants`): the account
+    # has `grants = true` and the command is argv, with no file and no terminal
+    grantable: bool = False
 
     def as_json(self, preview: bool = True) -> dict[str, object]:
         """The card for an operator's screen; `preview=False` for the journal, which
@@ -78,7 +81,15 @@ class Card:
             "expires_at": self.expires_at,
             "stdin": stdin_json(self.stdin, preview),
             "terminal": self.terminal,
-        } | ({"file": _file_json(self.file)} if self.file is not None else {})
+        } | _extra_json(self)
+
+
+def _extra_json(card: Card) -> dict[str, object]:
+    """The keys only some cards have: a file card's operation; a grantable command card's
+    `grantable` (its yes may be widened to a bounded grant, `core/grants`)."""
+    return ({"file": _file_json(card.file)} if card.file is not None else {}) | (
+        {"grantable": True} if card.grantable else {}
+    )
 
 
 def _file_json(op: FileOp) -> dict[str, object]:
@@ -161,4 +172,11 @@ def make_card(
         stdin=req.stdin if is_command else None,
         file=file,
         terminal=is_command and req.terminal is not None,
+        grantable=(
+            is_exec
+            and verdict.account.grants
+            and reading is not None
+            and reading.argv is not None
+            and req.terminal is None
+        ),
     )

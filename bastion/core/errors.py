@@ -27,6 +27,7 @@ class BastionError(Exception):
         ├── core.command.RuleError [ValueError] -- a rule that is not a list of words
         ├── core.policy.PolicyError -- the policy cannot be trusted as written
         ├── core.files.FilesError [ValueError] -- a `files` table that is not path globs
+        ├── core.grants.GrantError -- a bounded grant that cannot be made as the operator asked
         ├── config.ConfigError -- bastion.toml cannot be used as written
         ├── identity.IdentityError -- the peer could not be identified
         ├── journal.JournalError -- the journal cannot be used as asked

@@ -81,6 +81,10 @@ class EventType(enum.Enum):
     CARD_CLOSED = "card_closed"
     SESSION_APPROVED = "session_approved"
     SESSION_ENDED = "session_ended"
+    # a bounded grant (`core/grants`): made on a yes, each use (request id), its end
+    GRANT_MADE = "grant_made"
+    GRANT_USED = "grant_used"
+    GRANT_ENDED = "grant_ended"
     # one request's life: received, then denied, or dispatched and one outcome
     REQUEST_RECEIVED = "request_received"
     # the stdin read whole before a command card: its end, size and sha256 (no content)
@@ -321,7 +325,7 @@ def request_state(
 
 # Fields that carry command text (an agent's command can hold secrets): collectors get
 # them only when asked (`audit export --with-commands`); digests always go.
-_COMMAND_FIELDS = ("command", "argv", "cmdline")
+_COMMAND_FIELDS = ("command", "argv", "cmdline", "pattern", "pattern_words")  # a grant's too
 
 
 def without_commands(row: dict[str, Any]) -> dict[str, Any]:
@@ -391,6 +395,7 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "certificate": None,
                 "run": run_label(e.get("subject")),
                 "ended_at": None,
+                "grant": None,
             } | ({"file": e["file"]} if e.get("file") else {})  # an sftp operation's
             continue
         row = rows.get(rid)
@@ -406,6 +411,8 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
             )
         elif kind is EventType.CERTIFICATE_ISSUED:
             row["certificate"] = certificate_of(entry)
+        elif kind is EventType.GRANT_USED:
+            row["grant"] = entry.meta.get("grant")
         elif kind.outcome is not None:
             row.update(
                 outcome=kind.outcome.value,

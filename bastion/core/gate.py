@@ -32,7 +32,9 @@ journal and the witness (`World`). The checks run in the contract's order
    ended unknown;
 6. the subject exited; no session grant valid now asks a session card,
 7. and a per-command account with no grant for these exact bytes a command
-   card -- but before any card is asked, the tenant's cap on waiting cards;
+   card -- unless a bounded grant of this session covers the argv (`core/grants`:
+   no shell source, no terminal, stdin read and empty), which dispatches once its
+   use is taken; before any card is asked, the tenant's cap on waiting cards;
 8. otherwise dispatch.
 
 `intake` is steps 2-4 alone: the service asks it before it records an agent's
@@ -62,6 +64,7 @@ from bastion.core.files import (
     needs_file_card,
     op_problem,
 )
+from bastion.core.grants import Grant
 from bastion.core.opguard import Operator
 from bastion.core.policy import (
     Account,
@@ -126,6 +129,7 @@ class CommandGrant:
     binding: Binding
     expires_at: float
     used: bool = False
+    grant_id: str | None = None  # the bounded grant whose use made it, not a card (`core/grants`)
 
 
 class Channel(enum.Enum):
@@ -205,6 +209,7 @@ class World:
     held_bytes: int = 0  # bytes of per-command uploads its tenant holds for their file cards
     tenant: str = ""  # that tenant, as the agent is told of it
     own_connection: bool | None = None  # later channel: only its client can send (None: unseen)
+    grants: tuple[Grant, ...] = ()  # the live bounded grants of the session found (`core/grants`)
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,9 @@ class Dispatch:
     account: Account
     session: SessionGrant
     command_grant: CommandGrant | None
+    # A bounded grant covers the command: the service takes one use of it, which is a
+    # command grant for these exact bytes, and asks again (`ApprovalBook.use_grant`).
+    grant: Grant | None = None
 
 
 Verdict = Refusal | AskSession | AskCommand | Dispatch
@@ -308,14 +316,15 @@ def command_grant_holds(
         not grant.used
         and now < grant.expires_at
         and grant.session_id == session.id
-        and grant.binding
-        == Binding.of(
-            host,
-            account,
-            req.what,
-            stdin=digest_of(req.stdin),
-            terminal=req.terminal is not None,
-        )
+        and grant.binding == request_binding(req, host, account)
+    )
+
+
+def request_binding(req: Request, host: Host, account: Account) -> Binding:
+    """What a yes to this request is bound to, as the policy says it now: a command
+    grant must hold exactly this (a card's, or a bounded grant's use)."""
+    return Binding.of(
+        host, account, req.what, stdin=digest_of(req.stdin), terminal=req.terminal is not None
     )
 
 
@@ -599,13 +608,56 @@ def evaluate(req: Request, world: World) -> Verdict:
     stale = session_problem(session, world, digest)
     if stale is not None:
         return crowded(world) or AskSession(host, account, digest, stale)
-    # 7. This exact command, once: per-command accounts, and shell source where it asks.
+    # 7. This exact command, once: per-command accounts, and shell source where it asks --
+    # or a use of a bounded grant that covers it, which asks no card.
     if judged.command_card:
         grant = world.command_grant
-        if grant is None or not command_grant_holds(grant, req, host, account, session, world.now):
-            return crowded(world) or AskCommand(host, account, session, check)
-        return Dispatch(host, account, session, grant)
+        if grant is not None and command_grant_holds(grant, req, host, account, session, world.now):
+            return Dispatch(host, account, session, grant)
+        covering = grant_covering(req, world, account, check, session, digest)
+        if covering is not None:
+            if req.stdin is None:  # its stdin first: a grant covers none (`reads_stdin`)
+                return AskCommand(host, account, session, check)
+            return Dispatch(host, account, session, None, covering)
+        return crowded(world) or AskCommand(host, account, session, check)
     return Dispatch(host, account, session, None)
+
+
+def grant_covering(
+    req: Request,
+    world: World,
+    account: Account,
+    check: CommandCheck | FileCheck,
+    session: SessionGrant,
+    digest: str,
+) -> Grant | None:
+    """The first live bounded grant that covers this request, or None. Only an exec's
+    argv on an account with `grants = true`, bound to this very session, subject,
+    entry, lifetime and epoch; never with a terminal, never with stdin bytes (a stdin
+    not read yet may still turn out empty: the caller reads it first)."""
+    if (
+        not account.grants
+        or req.file is not None
+        or req.terminal is not None
+        or not isinstance(check, CommandCheck)
+        or check.reading.argv is None
+        or (req.stdin is not None and req.stdin.size != 0)
+    ):
+        return None
+    for grant in world.grants:
+        bound = grant.holds(
+            session_id=session.id,
+            subject_key=req.subject_key,
+            host=req.host,
+            user=account.user,
+            boot_id=world.boot_id,
+            vault_epoch=world.vault_epoch,
+            entry_digest=digest,
+            now=world.now,
+        )
+        if bound and grant.pattern.matches(check.reading.argv):
+            return grant
+    return None
 
 
 def final_check(req: Request, world: World, decided: Dispatch) -> Refusal | None:

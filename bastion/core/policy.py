@@ -58,6 +58,7 @@ _ACCOUNT_FIELDS = (
     "files",
     "waiting_line",
     "pty",
+    "grants",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -110,6 +111,9 @@ class Account:
     # An exec that asks for a terminal (`ssh -t`, ansible without pipelining) runs
     # with one on the target; without, the gate refuses it and nothing runs.
     pty: bool = False
+    # The operator may widen a yes to a command card into a bounded grant (`core/grants`):
+    # per-command accounts only, off unless written.
+    grants: bool = False
 
     @property
     def label(self) -> str:
@@ -334,7 +338,21 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         files=files,
         waiting_line=_flag(raw, "waiting_line", True, where),
         pty=_pty(raw, where),
+        grants=_grants(raw, mode, where),
     )
+
+
+def _grants(raw: dict[str, Any], mode: ApprovalMode, where: str) -> bool:
+    """`grants = true` widens command cards, so it means something on a per-command
+    account only; on a session account it is refused rather than silently ignored."""
+    value = _flag(raw, "grants", False, where)
+    if value and mode is not ApprovalMode.PER_COMMAND:
+        fail(
+            where,
+            'field "grants" widens the answers to command cards, which only a '
+            '"per-command" account asks; this account approves sessions',
+        )
+    return value
 
 
 def _files(raw: dict[str, Any], auth: Auth, where: str) -> FileRules | None:
@@ -434,6 +452,7 @@ def _account_doc(a: Account) -> dict[str, Any]:
         | ({"files": a.files.doc()} if a.files is not None else {})
         | ({} if a.waiting_line else {"waiting_line": False})
         | ({"pty": True} if a.pty else {})
+        | ({"grants": True} if a.grants else {})
     )
 
 

@@ -1,6 +1,10 @@
 """The approval book: open cards, and the grants their answers create.
 
 Grants live in memory only: a gateway restart ends them all, by construction.
+A bounded grant (`core/grants`) is kept beside the session it extends and ends
+with it (lock, revoke, process change, policy change), or on its own when its
+uses or minutes run out; each use is taken here (`use_grant`) as a command grant
+for one exact command, spent like a card's.
 Once the world a card was asked in is gone -- the process exited, the
 connection closed, the vault locked -- the card is withdrawn and an answer to
 it is refused. An answer never sends anything by itself: it only wakes the
@@ -17,16 +21,28 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from bastion.core.binding import Binding
 from bastion.core.cards import Card
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
 from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, SessionGrant
+from bastion.core.grants import Grant, GrantEnd, GrantError, parse_bound, parse_grant
 from bastion.core.opguard import Operator
 from bastion.core.subject import Subject, SubjectKey
 
 
 class CardError(BastionError):
     """An operator answer that cannot be applied (unknown, stale, or void card)."""
+
+
+@dataclass(frozen=True)
+class GrantAsk:
+    """What the operator asked to widen a yes to: PATTERN (the card's argv with words
+    replaced by `*`), uses and/or minutes (`core/grants`)."""
+
+    pattern: str
+    uses: int | None
+    minutes: int | None
 
 
 @dataclass
@@ -83,6 +99,9 @@ class ApprovalBook:
     _ended: dict[str, EndReason] = field(default_factory=dict)
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)  # card id -> grant
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # A bounded grant was made (reason None) or ended (its session's reason, or its own).
+    on_grant: Callable[[Grant, EndReason | GrantEnd | None], None] | None = None
+    _grants: dict[str, Grant] = field(default_factory=dict)  # grant id -> bounded grant
 
     # -- cards -----------------------------------------------------------------
 
@@ -126,10 +145,13 @@ class ApprovalBook:
         approve: bool,
         vault_epoch: int,
         locked: bool,
+        grant: GrantAsk | None = None,
         by: Operator | None = None,
     ) -> Card:
         """Apply an operator's answer (`by`: who gave it, journaled with a session
-        approval), or refuse it if the card's world is gone."""
+        approval), or refuse it if the card's world is gone. With `grant`, a yes to a
+        command card also makes a bounded grant (`grant_of_card`); a grant that cannot be
+        made refuses the whole answer (`GrantError`), and the card stays open."""
         o = self._cards.get(card_id)
         if o is None or o.future.done():
             raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
@@ -137,11 +159,18 @@ class ApprovalBook:
         if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
             self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED)
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
+        made: Grant | None = None
+        if grant is not None:
+            made = self._check_grant(card, approve, grant)
         if approve:
             if card.kind is CardKind.SESSION:
                 self._grant_session(card, by)
             else:
                 self._grant_command(card)
+        if made is not None:
+            self._grants[made.id] = made
+            if self.on_grant is not None:
+                self.on_grant(made, None)
         self.close_card(card_id, CardEnding.APPROVED if approve else CardEnding.DECLINED)
         return card
 
@@ -227,6 +256,7 @@ class ApprovalBook:
                 self._command_grants = {
                     c: cg for c, cg in self._command_grants.items() if cg.session_id != g.id
                 }
+                self._end_grants(lambda b, sid=g.id: b.session_id == sid, reason)
                 if self.on_session is not None:
                     self.on_session(g, live.subject, reason)
         return ended
@@ -280,3 +310,89 @@ class ApprovalBook:
         """The request that asked for it is over: used or not, it is gone."""
         if card_id:
             self._command_grants.pop(card_id, None)
+
+    # -- bounded grants ----------------------------------------------------------
+
+    def _check_grant(self, card: Card, approve: bool, ask: GrantAsk) -> Grant:
+        """The grant a yes to this card would make, or why none can be (`GrantError`):
+        only with a yes, only on a command card of an account with `grants = true`
+        whose command is argv (no shell source, no file, no terminal)."""
+        if not approve:
+            raise GrantError("a grant widens a yes: it cannot come with a no")
+        if card.kind is not CardKind.COMMAND or card.file is not None:
+            raise GrantError("a grant widens a command card's yes; this card is not one")
+        if not card.grantable:
+            raise GrantError(
+                "this card cannot be widened: its account does not allow grants "
+                "(grants = true in the policy), or its command runs with a terminal"
+            )
+        pattern = parse_grant(card.argv, ask.pattern)
+        bound = parse_bound(ask.uses, ask.minutes)
+        assert card.session_id is not None
+        now = self.clock()
+        return Grant(
+            id="grt_" + secrets.token_hex(6),
+            card_id=card.id,
+            session_id=card.session_id,
+            subject_key=card.subject.key,
+            host=card.host,
+            user=card.binding.user,
+            boot_id=card.boot_id,
+            vault_epoch=card.vault_epoch,
+            entry_digest=card.entry_digest,
+            pattern=pattern,
+            uses_left=bound.uses,
+            expires_at=None if bound.minutes is None else now + 60.0 * bound.minutes,
+            made_at=now,
+        )
+
+    def grant_of_card(self, card_id: str) -> Grant | None:
+        """The live bounded grant a yes to this card made, if any."""
+        return next((g for g in self._grants.values() if g.card_id == card_id), None)
+
+    def grants_for(self, session_id: str) -> tuple[Grant, ...]:
+        """The live bounded grants of one session, oldest first (ended ones go now)."""
+        self._prune_grants()
+        return tuple(g for g in self._grants.values() if g.session_id == session_id)
+
+    def grants(self) -> list[Grant]:
+        """Every live bounded grant (`bastion sessions`)."""
+        self._prune_grants()
+        return list(self._grants.values())
+
+    def use_grant(self, grant_id: str, request_id: str, binding: Binding) -> str | None:
+        """Take one use of a bounded grant for one request, with no await between the
+        gate's verdict and this: a command grant for these exact bytes, under the same
+        session, spent like a card's before the exec leaves. Returns its key (for
+        `command_grant`), or None if the grant is no longer live."""
+        grant = self._grants.get(grant_id)
+        now = self.clock()
+        if grant is None or not grant.live(now):
+            return None
+        left = None if grant.uses_left is None else grant.uses_left - 1
+        self._grants[grant_id] = replace(grant, uses_left=left)
+        # as `_grant_command`: uses whose requests never came back for them expire
+        self._command_grants = {c: g for c, g in self._command_grants.items() if g.expires_at > now}
+        key = f"{grant_id}:{request_id}"
+        self._command_grants[key] = CommandGrant(
+            id="cmd_" + secrets.token_hex(6),
+            session_id=grant.session_id,
+            binding=binding,
+            expires_at=now + self.command_ttl,
+            grant_id=grant_id,
+        )
+        self._prune_grants()
+        return key
+
+    def _prune_grants(self) -> None:
+        now = self.clock()
+        for grant in list(self._grants.values()):
+            why = grant.end_reason(now)
+            if why is not None:
+                self._end_grants(lambda g, gid=grant.id: g.id == gid, why)
+
+    def _end_grants(self, pred: Callable[[Grant], bool], reason: EndReason | GrantEnd) -> None:
+        for grant in [g for g in self._grants.values() if pred(g)]:
+            del self._grants[grant.id]
+            if self.on_grant is not None:
+                self.on_grant(grant, reason)

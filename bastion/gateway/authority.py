@@ -18,7 +18,7 @@ from bastion.core.events import EventType
 from bastion.core.gate import CardEnding, EndReason
 from bastion.core.opguard import Operator
 from bastion.core.subject import Subject
-from bastion.gateway.approvals import ApprovalBook
+from bastion.gateway.approvals import ApprovalBook, GrantAsk
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.service import VaultState
 from bastion.vault import WrongPassphrase
@@ -78,16 +78,26 @@ class Authority:
                 len(gone),
             )
 
-    def answer(self, card_id: str, approve: bool, by: Operator | None = None) -> Card:
-        """An operator's answer to one card (`bastion decide`, the approve prompt)."""
-        card = self.book.answer(card_id, approve, self.vault.epoch, self.vault.locked, by)
+    def answer(
+        self,
+        card_id: str,
+        approve: bool,
+        grant: GrantAsk | None = None,
+        by: Operator | None = None,
+    ) -> Card:
+        """An operator's answer to one card (`bastion decide`, the approve prompt); a
+        yes to a command card may be widened to a bounded grant (`core/grants`)."""
+        card = self.book.answer(
+            card_id, approve, self.vault.epoch, self.vault.locked, grant=grant, by=by
+        )
         if not self.alive(card.subject.pid, card.subject.start_time):
             self.subject_exited(card.subject)
         log.info(
-            "%s: card %s %s by operator",
+            "%s: card %s %s by operator%s",
             card.request_id,
             card.id,
             "approved" if approve else "declined",
+            f", with a grant ({grant.pattern!r})" if grant is not None else "",
         )
         return card
 

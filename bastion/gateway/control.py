@@ -24,9 +24,10 @@ from typing import Any, Protocol
 
 from bastion import ops
 from bastion.core.events import EventType
+from bastion.core.grants import GrantError
 from bastion.core.opguard import Operator
 from bastion.core.policy import PolicyError
-from bastion.gateway.approvals import ApprovalBook, CardError
+from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk
 from bastion.gateway.authority import Authority
 from bastion.gateway.opserver import OPERATOR_ARG, Handler
 from bastion.gateway.recorder import ForeignRecords
@@ -77,6 +78,21 @@ def number_arg(args: dict[str, Any], name: str, low: float, high: float) -> floa
     ):
         raise OperatorError(f'"{name}" must be a number from {low:g} to {high:g}')
     return float(value)
+
+
+def grant_arg(args: dict[str, Any]) -> GrantAsk | None:
+    """The optional `grant` of an answer: {"pattern": str, "uses": int|null, "minutes":
+    int|null}; its ranges are `core/grants`' to check."""
+    value = args.get("grant")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"pattern", "uses", "minutes"}:
+        raise OperatorError('"grant" must be an object with "pattern", "uses", "minutes"')
+    for name in ("uses", "minutes"):
+        n = value.get(name)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise OperatorError(f'"grant.{name}" must be a whole number or null')
+    return GrantAsk(text_arg(value, "pattern"), value.get("uses"), value.get("minutes"))
 
 
 class Settings(Protocol):
@@ -210,14 +226,22 @@ class Control:
         return [c.as_json() for c in book.pending()]
 
     async def answer(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A card's answer; `grant` ({"pattern", "uses", "minutes"}) widens a yes to a
+        command card into a bounded grant, or the whole answer is refused."""
         card_id, approve = text_arg(args, "card"), flag_arg(args, "approve")
         by = args.get(OPERATOR_ARG)
+        ask = grant_arg(args)
         self.book.note_operator()
         try:
-            card = self.authority.answer(card_id, approve, by if isinstance(by, Operator) else None)
-        except CardError as exc:
+            card = self.authority.answer(
+                card_id, approve, ask, by if isinstance(by, Operator) else None
+            )
+        except (CardError, GrantError) as exc:
             raise OperatorError(str(exc)) from None
-        return {"card": card.id, "approved": approve}
+        made = self.book.grant_of_card(card.id) if ask is not None else None
+        return {"card": card.id, "approved": approve} | (
+            {"grant": made.as_json()} if made is not None else {}
+        )
 
     async def sessions(self, _: dict[str, Any]) -> list[dict[str, Any]]:
         return [
@@ -229,6 +253,7 @@ class Control:
                 "approved_at": g.approved_at,
                 "vault_epoch": g.vault_epoch,
                 "approved_by": g.approved_by.as_json() if g.approved_by else None,
+                "grants": [b.as_json() for b in self.book.grants_for(g.id)],
             }
             for g, s in self.book.sessions()
         ]

@@ -44,6 +44,7 @@ class Intent:
     witnessed: Callable[[int], Awaitable[str | None]] | None = None
     written: bool = False
     refusal: Refusal | None = None
+    grant_id: str | None = None  # the bounded grant whose use this is, journaled on the intent
 
     def _refuse(self, refusal: Refusal) -> Refusal:
         self.refusal = refusal
@@ -59,7 +60,7 @@ class Intent:
     def _write(self) -> Any:
         """`dispatch_started`, fsynced with everything before it; or nothing is sent."""
         try:
-            record = self.recorder.intent(self.request_id, self.session_id)
+            record = self.recorder.intent(self.request_id, self.session_id, self.grant_id)
         except (OSError, JournalError) as exc:
             log.error("%s: could not journal the intent: %s", self.request_id, exc)
             raise self._refuse(not_durable()) from None

@@ -20,6 +20,7 @@ from bastion.core.cards import Card
 from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
 from bastion.core.gate import CardEnding, EndReason, Request, SessionGrant
+from bastion.core.grants import Grant, GrantEnd
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
@@ -75,10 +76,13 @@ class Recorder:
             self.lost += 1
             log.error("could not journal %s: %s", kind.value, exc)
 
-    def intent(self, request_id: str, session_id: str) -> Any:
+    def intent(self, request_id: str, session_id: str, grant: str | None = None) -> Any:
         """The durable intent, on disk with everything before it when this returns
-        (the record, whose head the witness must confirm): raises if not written."""
+        (the record, whose head the witness must confirm): raises if not written.
+        `grant`: the bounded grant whose use sends it, instead of a card."""
         meta = {"request_id": request_id, "session_id": session_id}
+        if grant is not None:
+            meta["grant"] = grant
         return self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
 
     def certificate(self, request_id: str, meta: dict[str, Any], event: dict[str, Any]) -> None:
@@ -254,6 +258,37 @@ class Recorder:
             )
         else:
             self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})
+
+    def grant(self, grant: Grant, reason: EndReason | GrantEnd | None) -> None:
+        """A bounded grant made (its pattern and bound, and what it is bound to) or
+        ended (why)."""
+        if reason is None:
+            self.record(
+                EventType.GRANT_MADE,
+                {"grant": grant.id, "session_id": grant.session_id, "card": grant.card_id},
+                {
+                    "pattern": grant.pattern.text,
+                    "pattern_words": list(grant.pattern.words),
+                    "uses": grant.uses_left,
+                    "expires_at": grant.expires_at,
+                    "host": grant.host,
+                    "user": grant.user,
+                    "vault_epoch": grant.vault_epoch,
+                    "entry_digest": grant.entry_digest,
+                },
+            )
+            self.publish({"event": "grant", "grant": grant.as_json()})
+        else:
+            self.record(EventType.GRANT_ENDED, {"grant": grant.id, "reason": reason.value})
+            self.publish({"event": "grant_ended", "grant": grant.id, "reason": reason.value})
+
+    def grant_used(self, request_id: str, grant: Grant) -> None:
+        """One use of a bounded grant taken for this request, in place of its card."""
+        left = None if grant.uses_left is None else grant.uses_left - 1
+        self.record(
+            EventType.GRANT_USED,
+            {"request_id": request_id, "grant": grant.id, "uses_left": left},
+        )
 
 
 class PolicySource(Protocol):

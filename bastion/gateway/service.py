@@ -57,9 +57,11 @@ from bastion.core.gate import (
     intake,
     no_slot,
     reads_stdin,
+    request_binding,
     rounds_exhausted,
     unanswered,
 )
+from bastion.core.grants import Grant, GrantEnd
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import not_started
 from bastion.core.subject import Peer, Subject, SubjectKind
@@ -252,6 +254,7 @@ class Service:
         self.inflight: dict[str, InFlight] = {}
         book.on_card = self._card_event
         book.on_session = self._session_event
+        book.on_grant = self._grant_event
 
     # -- a lifetime begins ---------------------------------------------------------------
 
@@ -303,6 +306,7 @@ class Service:
             ),
             held_bytes=self.held[tenant],
             tenant=str(tenant),
+            grants=self.book.grants_for(grant.id) if grant is not None else (),
         )
 
     # -- one request ---------------------------------------------------------------------
@@ -419,6 +423,11 @@ class Service:
         for _ in range(MAX_ROUNDS + 1):  # + the one round that reads stdin
             world = self.world(req, conn.peer.subject, conversation, command_card, arrival)
             verdict = evaluate(req, world)
+            if isinstance(verdict, Dispatch) and verdict.grant is not None:
+                # A bounded grant covers it: take one use now, with no await since the
+                # verdict, and ask again with the command grant that use is.
+                command_card = self._use_grant(req, verdict, verdict.grant)
+                continue
             if isinstance(verdict, Dispatch):
                 return Decided(verdict, command_card, req, streams)
             if isinstance(verdict, Refusal):
@@ -455,6 +464,16 @@ class Service:
             if card.kind is CardKind.COMMAND:
                 command_card = card.id
         return rounds_exhausted().failure(req.request_id)
+
+    def _use_grant(self, req: Request, verdict: Dispatch, grant: Grant) -> str | None:
+        """One use of a bounded grant for this request, journaled with its id: the key
+        of the command grant it makes, or None (it ended: the next round asks a card)."""
+        binding = request_binding(req, verdict.host, verdict.account)
+        key = self.book.use_grant(grant.id, req.request_id, binding)
+        if key is not None:
+            self.recorder.grant_used(req.request_id, grant)
+            log.info("%s: covered by grant %s (%s)", req.request_id, grant.id, grant.pattern.text)
+        return key
 
     async def _ask(
         self, conn: AgentConn, card: Card, tell: Callable[[bytes], None] | None = None
@@ -517,6 +536,7 @@ class Service:
             lambda: self.inflight.update({req.request_id: flight}),
             self.recorder,
             self.witnessed,
+            grant_id=chosen.command_grant.grant_id if chosen.command_grant else None,
         )
 
         def started(process: Any) -> None:
@@ -612,6 +632,9 @@ class Service:
     ) -> None:
         self.on_sessions_changed()
         self.recorder.session(grant, subject, reason)
+
+    def _grant_event(self, grant: Grant, reason: EndReason | GrantEnd | None) -> None:
+        self.recorder.grant(grant, reason)
 
 
 def _tell(write: Callable[[bytes], None], line: bytes, request_id: str) -> None:

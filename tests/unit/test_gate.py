@@ -38,6 +38,7 @@ from bastion.core.gate import (
     unwitnessed,
     validate_command,
 )
+from bastion.core.grants import Grant, Pattern
 from bastion.core.policy import (
     Policy,
     PolicyError,
@@ -85,6 +86,14 @@ user = "files"
 credential = "files-key"
 approval = "per-command"
 files = {{ read = ["/var/log/**"], write = ["/srv/app/**"] }}
+
+[[hosts.web1.accounts]]
+user = "gr"
+credential = "gr-key"
+approval = "per-command"
+deny = ["* halt*"]
+grants = true
+pty = true
 """
 HOSTS = parse_policy_text(POLICY_TEXT, "test.toml")
 POLICY = Policy(hosts=HOSTS, digest="d", files=("test.toml",))
@@ -154,12 +163,92 @@ COMMANDS = [
     "pc_other_command",
     "pc_other_session",
     "pc_preapproved",
+    # a bounded grant (`core/grants`) of the session, on the account "gr" (grants = true)
+    "gr_match",  # covers the argv; stdin read and empty: dispatch, taking a use
+    "gr_match_silent",  # the same, stdin still open but silent: no byte reaches the target
+    "gr_unread",  # covers the argv, stdin not read yet: a command card's read first
+    "gr_stdin_bytes",  # stdin holds bytes: a grant never covers them
+    "gr_terminal",  # it asks for a terminal: never covered
+    "gr_shell",  # shell source whose words match: never covered
+    "gr_other_argv",  # another program's words
+    "gr_longer",  # one word more: a * is one word, never any number
+    "gr_used_up",
+    "gr_expired",
+    "gr_other_session",
+    "gr_other_subject",
+    "gr_other_epoch",
+    "gr_other_boot",
+    "gr_other_entry",
+    "gr_other_host",
+    "gr_other_user",
+    "gr_account_off",  # the same grant, on an account without grants = true
+    "gr_denied",  # matches the grant, and a deny rule: refused, never covered
 ]
+EMPTY = Stdin.of(b"", StdinEnd.CLOSED)
+GRANT_COMMANDS = {
+    "gr_shell": b"systemctl restart a; id",
+    "gr_other_argv": b"systemctl stop a",
+    "gr_longer": b"systemctl restart a b",
+    "gr_denied": b"systemctl halt a",
+}
+
+
+def bounded(user: str = "gr", **changes: object) -> Grant:
+    """A live grant `systemctl restart *` of session ses_1, as `user` on web1."""
+    host = HOSTS["web1"]
+    account = host.account(user)
+    assert account is not None
+    g = Grant(
+        id="grt_1",
+        card_id="cc_1",
+        session_id="ses_1",
+        subject_key=SUBJECT,
+        host="web1",
+        user=user,
+        boot_id=BOOT,
+        vault_epoch=EPOCH,
+        entry_digest=entry_digest(host, account),
+        pattern=Pattern(("systemctl", None, None)),
+        uses_left=2,
+        expires_at=NOW + 600,
+        made_at=NOW - 1,
+    )
+    return replace(g, pattern=Pattern(("systemctl", "restart", None)), **changes)  # type: ignore[arg-type]
+
+
+def grant_case(command: str) -> tuple[bytes, Grant, Stdin | None, Terminal | None, str]:
+    """(command, grant, stdin, terminal, user) of one `gr_` case."""
+    other = {
+        "gr_used_up": {"uses_left": 0},
+        "gr_expired": {"expires_at": NOW},
+        "gr_other_session": {"session_id": "ses_other"},
+        "gr_other_subject": {"subject_key": replace(SUBJECT, exe="other")},
+        "gr_other_epoch": {"vault_epoch": EPOCH - 1},
+        "gr_other_boot": {"boot_id": "boot_old"},
+        "gr_other_entry": {"entry_digest": "old"},
+        "gr_other_host": {"host": "web2"},
+        "gr_other_user": {"user": "ops"},
+    }.get(command, {})
+    stdin: Stdin | None = {
+        "gr_unread": None,
+        "gr_stdin_bytes": Stdin.of(b"x", StdinEnd.CLOSED),
+        "gr_match_silent": Stdin.of(b"", StdinEnd.SILENT),
+    }.get(command, EMPTY)
+    user = "ops" if command == "gr_account_off" else "gr"
+    g = bounded(**other) if user == "gr" else bounded(user="ops")
+    terminal = TERMINAL if command == "gr_terminal" else None
+    return GRANT_COMMANDS.get(command, b"systemctl restart a"), g, stdin, terminal, user
 
 
 def build(locked: bool, policy_ok: bool, session: str, command: str) -> tuple[Request, World]:
     user = "deploy" if command == "session_account" else "ops"
     cmd = b"uptime" if command == "pc_preapproved" else b"echo hi"
+    grants: tuple[Grant, ...] = ()
+    stdin: Stdin | None = None
+    terminal: Terminal | None = None
+    if command.startswith("gr_"):
+        cmd, g_one, stdin, terminal, user = grant_case(command)
+        grants = (g_one,)
     kind, reason = SESSIONS[session]
     g: SessionGrant | None = None
     ended = reason if kind is None else None
@@ -185,8 +274,9 @@ def build(locked: bool, policy_ok: bool, session: str, command: str) -> tuple[Re
         session=g,
         ended=ended,
         command_grant=cg,
+        grants=grants,
     )
-    return request(cmd, user), w
+    return replace(request(cmd, user), stdin=stdin, terminal=terminal), w
 
 
 @pytest.mark.parametrize(
@@ -201,12 +291,17 @@ def test_state_space(locked: bool, policy_ok: bool, session: str, command: str) 
         assert isinstance(verdict, Refusal) and verdict.code is Code.VAULT_LOCKED
     elif not policy_ok:
         assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_UNAVAILABLE
+    elif command == "gr_denied":  # the account's rules first: a grant never widens them
+        assert isinstance(verdict, Refusal) and verdict.code is Code.POLICY_DENIED
     elif kind != "live":
         assert isinstance(verdict, AskSession) and verdict.reason is reason
     elif command in ("session_account", "pc_preapproved"):
         assert isinstance(verdict, Dispatch) and verdict.command_grant is None
     elif command == "pc_approved":
         assert isinstance(verdict, Dispatch) and verdict.command_grant == w.command_grant
+    elif command in ("gr_match", "gr_match_silent"):
+        assert isinstance(verdict, Dispatch) and verdict.command_grant is None
+        assert verdict.grant == w.grants[0]
     else:
         assert isinstance(verdict, AskCommand) and verdict.session == w.session
 
