@@ -145,7 +145,9 @@ def make_card(
     if isinstance(verdict, AskCommand) and isinstance(verdict.check, CommandCheck):
         reading = verdict.check.reading
     constructs = reading.constructs if reading is not None else ()
-    shown, marks = escape_command_marked(req.command, [c.offset for c in constructs])
+    shown, marks = escape_command_marked(
+        req.command, [c.offset for c in constructs], [c.length for c in constructs]
+    )
     is_exec = is_command and file is None
     return Card(
         id=card_id,
