@@ -246,6 +246,8 @@ def test_a_card_whose_agent_exited_is_announced_withdrawn(bastion: Bastion) -> N
         notice = next_event(events, "notice", card["request_id"])
         assert "denied" not in notice["text"] and "SESSION_DENIED" not in notice["text"], notice
         assert "withdrawn" in notice["text"] and "exited" in notice["text"], notice
+        state = json.loads(bastion.cli("request", card["request_id"], "--json").stdout)
+        assert (state["state"], state["withdrawn"]) == ("denied", "agent_exited"), state
 
         declined = bastion.agent()
         card, rid = first_card(bastion, declined)
