@@ -11,6 +11,7 @@ Cards are never edited: a changed world means a new card.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from bastion.core.binding import Binding
@@ -21,6 +22,28 @@ from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Reque
 from bastion.core.policy import CommandCheck
 from bastion.core.stdin import Stdin, digest_of
 from bastion.core.subject import Peer, ProcessInfo, Subject
+
+
+class Withdrawal(enum.Enum):
+    """Why a card was withdrawn (its ending `withdrawn_gone` or `withdrawn_locked`):
+    what whoever shows that ending says, so that a card nobody answered is never
+    announced as denied."""
+
+    AGENT_EXITED = "agent_exited"  # the subject's process exited
+    CONNECTION_CLOSED = "connection_closed"  # the agent's connection or channel closed
+    VAULT_LOCKED = "vault_locked"  # the vault locked (or changed state) since it was raised
+
+    @property
+    def words(self) -> str:
+        """For a person: `withdrawn: {words}`."""
+        return _WITHDRAWAL_WORDS[self]
+
+
+_WITHDRAWAL_WORDS = {
+    Withdrawal.AGENT_EXITED: "its agent exited",
+    Withdrawal.CONNECTION_CLOSED: "its connection closed",
+    Withdrawal.VAULT_LOCKED: "the vault locked",
+}
 
 
 @dataclass(frozen=True)
@@ -133,7 +156,9 @@ def make_card(
     if isinstance(verdict, AskCommand) and isinstance(verdict.check, CommandCheck):
         reading = verdict.check.reading
     constructs = reading.constructs if reading is not None else ()
-    shown, marks = escape_command_marked(req.command, [c.offset for c in constructs])
+    shown, marks = escape_command_marked(
+        req.command, [c.offset for c in constructs], [c.length for c in constructs]
+    )
     is_exec = is_command and file is None
     return Card(
         id=card_id,

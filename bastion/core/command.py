@@ -12,6 +12,12 @@ reported with every construct found and its byte offset. When in doubt it is
 shell source: a plain command that reads as source only costs a card, a
 source command that read as plain would cost the target.
 
+Whether a command is shell source is decided character by character (`_scan`);
+how its constructs are *listed* is decided after, and changes nothing of that:
+each construct once (`&&` one and-list, a backquote pair one substitution, a
+here-document one, with its extent), compound commands named as what they are
+("a for loop") once each (`_grouped`).
+
 Rules (`allow`, `preapproved`, `deny`) are word patterns, parsed here too:
 each word is an `fnmatch` glob over exactly one argv word, and a final `...`
 matches any further words. A rule that admits (`allow`, `preapproved`) never
@@ -79,17 +85,20 @@ REST = "..."  # a rule's final word: any further words
 
 @dataclass(frozen=True)
 class Construct:
-    """One piece of shell syntax: where it starts (a byte offset), what it is."""
+    """One piece of shell syntax: where it starts (a byte offset), what it is. `text`
+    is its opening token (`&&`, `$`, `for`); `length` its extent in bytes from
+    `offset` (a whole `$(...)`, a here-document with its body, the keyword)."""
 
     offset: int
     text: str
     what: str
+    length: int = 1
 
     def describe(self) -> str:
         return f"{self.text!r} at byte {self.offset} ({self.what})"
 
     def as_json(self) -> dict[str, object]:
-        return {"offset": self.offset, "text": self.text, "what": self.what}
+        return {"offset": self.offset, "text": self.text, "what": self.what, "length": self.length}
 
 
 @dataclass(frozen=True)
@@ -194,11 +203,308 @@ def read_command(command: str) -> Reading:
     if not found:
         return Reading(tuple(words))
     found.sort()
-    offsets = _byte_offsets(command, [f[0] for f in found])
+    listed = _grouped(command, found)
+    ends = [pos + size for pos, _, _, size in listed]
+    points = sorted({*(item[0] for item in listed), *ends})
+    at = dict(zip(points, _byte_offsets(command, points), strict=True))
     constructs = tuple(
-        Construct(off, text, what) for off, (_, text, what) in zip(offsets, found, strict=True)
+        Construct(at[pos], text, what, at[pos + size] - at[pos]) for pos, text, what, size in listed
     )
     return Reading(None, constructs[:MAX_CONSTRUCTS], max(0, len(constructs) - MAX_CONSTRUCTS))
+
+
+# -- listing constructs once each (after the decision; it never changes it) --------------
+
+_PAIRS = {
+    "&&": "and-list (runs the next command if this one succeeds)",
+    "||": "or-list (runs the next command if this one fails)",
+    ">>": "redirection (append)",
+    ">&": "redirection (duplicate)",
+    "<&": "redirection (duplicate)",
+    "&>": "redirection (stdout and stderr)",
+    ">|": "redirection (clobber)",
+    "<>": "redirection (read and write)",
+    "|&": "pipe (stdout and stderr)",
+}
+_COMPOUND = {
+    "for": "a for loop",
+    "select": "a select loop",
+    "while": "a while loop",
+    "until": "an until loop",
+    "if": "an if statement",
+    "case": "a case statement",
+    "{": "a brace group",
+    "(": "a subshell",
+}
+# A compound's later keywords, each with the openers it belongs to (and whether it ends it).
+_LATER: dict[str, tuple[frozenset[str], bool]] = {
+    "do": (frozenset({"for", "select", "while", "until"}), False),
+    "done": (frozenset({"for", "select", "while", "until"}), True),
+    "then": (frozenset({"if"}), False),
+    "elif": (frozenset({"if"}), False),
+    "else": (frozenset({"if"}), False),
+    "fi": (frozenset({"if"}), True),
+    "esac": (frozenset({"case"}), True),
+    "}": (frozenset({"{"}), True),
+}
+_AFTER_KEYWORD = frozenset({"do", "then", "else", "elif", "if", "while", "until", "{", "!"})
+_SEPARATORS = frozenset({";", "&", "|", "&&", "||", "\n", "(", ";;", "|&"})
+_NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_SPECIAL_PARAMS = frozenset("@*#?-$!0123456789")
+
+# (char position, opening token, what, extent in characters)
+_Listed = tuple[int, str, str, int]
+
+
+def _grouped(text: str, found: list[tuple[int, str, str]]) -> list[_Listed]:
+    """The scan's findings (one per character, sorted) listed once per construct: a
+    span found in the text (`_spans`) stands for every finding inside it, and the
+    compound commands' keywords name the compound once."""
+    out: list[_Listed] = []
+    taken: list[tuple[int, int]] = []
+    found_at = {pos for pos, _, _ in found}
+    reach = 0  # the end of the furthest construct listed so far
+    for start, token, what, size in sorted(_spans(text), key=lambda s: (s[0], -s[3])):
+        if size == 0:  # a closing keyword, or a `;` that belongs to a compound: not listed
+            taken.append((start, start + len(token)))
+        elif start >= reach and (start in found_at or token in _COMPOUND):
+            out.append((start, token, what, size))
+            taken.append((start, start + size))
+            reach = start + size
+        # else: inside a construct already listed (`${a:-$(id)}` is one)
+    covered, k = _union(taken), 0
+    for pos, ch, what in found:  # both sorted: one walk
+        while k < len(covered) and covered[k][1] <= pos:
+            k += 1
+        if k < len(covered) and covered[k][0] <= pos:
+            continue
+        out.append((pos, ch, what, 1))
+    if not out:  # never a card of shell source that lists nothing: each finding, then
+        return [(pos, ch, what, 1) for pos, ch, what in found]
+    return sorted(out)
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint intervals covering exactly what `intervals` cover."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _spans(text: str) -> list[_Listed]:
+    """Constructs longer than a character, and compound keywords, where a shell reads
+    them (quotes respected, roughly: this lists, it does not decide). A span of size
+    0 marks what is part of a compound already named (`done`, the `;` before it)."""
+    out: list[_Listed] = []
+    i, n = 0, len(text)
+    command_position = True
+    dquote = False
+    last_sep: int | None = None  # a `;` or newline just before this word
+    compounds: list[str] = []  # the compounds open here, innermost last (their first word)
+    bodies: list[tuple[str, bool]] = []  # here-documents whose bodies start at the next line
+    while i < n:
+        ch = text[i]
+        if not dquote and ch in _BLANKS:
+            i += 1
+            continue
+        if ch == "'" and not dquote:
+            end = text.find("'", i + 1)
+            i = n if end < 0 else end + 1
+            command_position, last_sep = False, None
+            continue
+        if ch == '"':
+            dquote = not dquote
+            i += 1
+            command_position, last_sep = False, None
+            continue
+        if ch == "\\":
+            out.append((i, "\\", _QUOTED["\\"] if dquote else _UNQUOTED["\\"], min(2, n - i)))
+            i += 2
+            command_position, last_sep = False, None
+            continue
+        if ch == "$":
+            size, what = _dollar(text, i)
+            out.append((i, "$", what + (" inside quotes" if dquote else ""), size))
+            i += size
+            command_position, last_sep = False, None
+            continue
+        if ch == "`":
+            end = _closing_backquote(text, i + 1)
+            inside = " inside quotes" if dquote else ""
+            out.append((i, "`", "command substitution" + inside, end - i))
+            i = end
+            command_position, last_sep = False, None
+            continue
+        if dquote:
+            i += 1
+            continue
+        if text.startswith("<<<", i):
+            out.append((i, "<<<", "here-string", 3))
+            i += 3
+            continue
+        if text.startswith("<<", i):
+            end, delimiter, strip_tabs = _heredoc_word(text, i)
+            out.append((i, "<<", "here-document", end - i))
+            if delimiter:
+                bodies.append((delimiter, strip_tabs))
+            i = end
+            continue
+        pair = text[i : i + 2]
+        if pair == ";;" and compounds and compounds[-1] == "case":
+            out += [(i, ";", "", 0), (i + 1, ";", "", 0)]
+            i += 2
+            command_position, last_sep = True, None
+            continue
+        if pair in _PAIRS:
+            out.append((i, pair, _PAIRS[pair], 2))
+            i += 2
+            command_position, last_sep = pair in _SEPARATORS, None
+            continue
+        if ch == "\n" and bodies:  # the here-documents' bodies follow this line: one each
+            end = _heredoc_bodies(text, i + 1, bodies)
+            out.append((i, text[i:end], "", 0))
+            bodies = []
+            command_position, last_sep = True, None
+            i = end
+            continue
+        if ch in ";\n":
+            command_position, last_sep = True, i
+            i += 1
+            continue
+        if ch in "&|":
+            command_position, last_sep = True, None
+            i += 1
+            continue
+        if ch in "()":
+            if ch == "(" and command_position:
+                out.append((i, "(", _COMPOUND["("], 1))
+                compounds.append("(")
+            elif ch == ")" and compounds and compounds[-1] in ("(", "case"):
+                if compounds[-1] == "(":
+                    compounds.pop()
+                out.append((i, ")", "", 0))  # a subshell's end, or a case pattern's
+            command_position = ch == "("
+            last_sep = None
+            i += 1
+            continue
+        word_end = _word_end(text, i)
+        word = text[i:word_end]
+        later = _LATER.get(word)
+        belongs = bool(later and command_position and compounds and compounds[-1] in later[0])
+        if command_position and word in _COMPOUND and word != "(":
+            out.append((i, word, _COMPOUND[word], len(word)))
+            compounds.append(word)
+        elif later and belongs:
+            if later[1]:
+                compounds.pop()
+            out.append((i, word, "", 0))
+            if last_sep is not None:
+                out.append((last_sep, text[last_sep], "", 0))
+        elif word.startswith("{") and "}" in word:
+            out.append((i, "{", "brace expansion", word.index("}") + 1))
+        command_position = word in _AFTER_KEYWORD or belongs
+        if word in ("for", "select", "case"):
+            command_position = False
+        last_sep = None
+        i = max(word_end, i + 1)
+    return out
+
+
+def _word_end(text: str, i: int) -> int:
+    """Where an unquoted run of ordinary characters starting at `i` ends."""
+    j = i
+    while j < len(text) and text[j] not in " \t\n;&|()<>'\"`$\\":
+        j += 1
+    return j
+
+
+def _dollar(text: str, i: int) -> tuple[int, str]:
+    """The extent and name of what `$` at `i` begins."""
+    if text.startswith("$((", i):
+        return _matching(text, i + 1, "(", ")") - i, "arithmetic expansion"
+    if text.startswith("$(", i):
+        return _matching(text, i + 1, "(", ")") - i, "command substitution"
+    if text.startswith("${", i):
+        return _matching(text, i + 1, "{", "}") - i, "parameter expansion"
+    if text.startswith("$'", i):
+        end = text.find("'", i + 2)
+        return (len(text) if end < 0 else end + 1) - i, "ANSI-C quoting"
+    j = i + 1
+    if j < len(text) and text[j] in _SPECIAL_PARAMS:
+        return 2, "parameter expansion"
+    while j < len(text) and text[j] in _NAME:
+        j += 1
+    return max(1, j - i), "parameter expansion" if j > i + 1 else _UNQUOTED["$"]
+
+
+def _matching(text: str, i: int, open_: str, close: str) -> int:
+    """Just past the `close` that matches the `open_` at `i` (or the end of the text),
+    skipping quoted text."""
+    depth, j, n = 0, i, len(text)
+    while j < n:
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c in "'\"":
+            end = text.find(c, j + 1)
+            j = n if end < 0 else end + 1
+            continue
+        if c == open_:
+            depth += 1
+        elif c == close:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return n
+
+
+def _closing_backquote(text: str, j: int) -> int:
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+            continue
+        if text[j] == "`":
+            return j + 1
+        j += 1
+    return len(text)
+
+
+def _heredoc_word(text: str, i: int) -> tuple[int, str, bool]:
+    """A here-document's `<<` at `i`: just past its delimiter word, the delimiter (quotes
+    removed), and whether its body's leading tabs are stripped (`<<-`)."""
+    j = i + 2
+    strip_tabs = text.startswith("-", j)
+    j += strip_tabs
+    while j < len(text) and text[j] in _BLANKS:
+        j += 1
+    k = j
+    while k < len(text) and text[k] not in " \t\n;&|()<>":
+        if text[k] in "'\"":
+            end = text.find(text[k], k + 1)
+            k = len(text) if end < 0 else end + 1
+        else:
+            k += 1
+    return k, text[j:k].replace("'", "").replace('"', "").replace("\\", ""), strip_tabs
+
+
+def _heredoc_bodies(text: str, at: int, bodies: list[tuple[str, bool]]) -> int:
+    """Just past the bodies of `bodies`, in order, from `at`: each up to and with its
+    delimiter line (or to the end of the text)."""
+    for delimiter, strip_tabs in bodies:
+        while at < len(text):
+            nl = text.find("\n", at)
+            end = len(text) if nl < 0 else nl
+            line = text[at:end]
+            at = end + 1
+            if (line.lstrip("\t") if strip_tabs else line) == delimiter:
+                break
+    return min(at, len(text))
 
 
 class RuleKind(enum.Enum):

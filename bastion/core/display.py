@@ -83,13 +83,19 @@ def escape_command(command: bytes) -> str:
 
 
 def escape_command_marked(
-    command: bytes, byte_offsets: tuple[int, ...] | list[int]
+    command: bytes,
+    byte_offsets: tuple[int, ...] | list[int],
+    lengths: tuple[int, ...] | list[int] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """`escape_command`, and where in its text each byte offset's character landed
-    (start, end), so a prompt can highlight shell syntax in what it shows."""
+    (start, end), so a prompt can highlight shell syntax in what it shows. With
+    `lengths` (bytes, one per offset), a mark covers that many bytes: a whole `&&`,
+    `$(...)` or keyword."""
+    extent = dict(zip(byte_offsets, lengths or [1] * len(byte_offsets), strict=True))
     wanted = set(byte_offsets)
     out: list[str] = []
     marks: list[tuple[int, int]] = []
+    open_marks: list[tuple[int, int, int]] = []  # (index in marks, start, end byte offset)
     length = 0
     offset = 0
     for ch in command.decode("utf-8", errors="surrogateescape"):
@@ -104,11 +110,16 @@ def escape_command_marked(
         else:
             piece = _escape_char(ch)
         if offset in wanted:
+            open_marks.append((len(marks), length, offset + max(1, extent[offset])))
             marks.append((length, length + len(piece)))
         out.append(piece)
         length += len(piece)
         code = ord(ch)
         offset += 1 if 0xDC80 <= code <= 0xDCFF else len(ch.encode("utf-8", "surrogatepass"))
+        for k, start, end in open_marks:
+            if offset <= end:
+                marks[k] = (start, length)
+        open_marks = [m for m in open_marks if offset < m[2]]
     return "".join(out), marks
 
 

@@ -265,7 +265,10 @@ class RequestStory:
             code = meta.get("code")
             # A denial that only says "not now" (GATEWAY_BUSY): nothing was sent.
             state = RequestState.RETRY_SAFE if code in _RETRYABLE else RequestState.DENIED
-            return replace(self, state=state, code=code)
+            denied = replace(self, state=state, code=code)
+            # Its card was withdrawn (agent exited, connection closed, vault locked): why.
+            withdrawn = meta.get("withdrawn")
+            return denied._with(("withdrawn", withdrawn)) if withdrawn else denied
         if kind is EventType.COMPLETED:
             return replace(self, state=RequestState.COMPLETED, exit_status=meta.get("exit_status"))
         if kind is EventType.SIGNALLED:

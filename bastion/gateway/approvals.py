@@ -22,13 +22,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from bastion.core.binding import Binding
-from bastion.core.cards import Card
+from bastion.core.cards import Card, Withdrawal
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
 from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, SessionGrant
 from bastion.core.grants import Grant, GrantEnd, GrantError, parse_bound, parse_grant
 from bastion.core.opguard import Operator
 from bastion.core.subject import Subject, SubjectKey
+
+ENDED_REMEMBERED = 4096  # ended approvals kept to explain later cards (oldest forgotten)
 
 
 class CardError(BastionError):
@@ -59,23 +61,29 @@ class _Live:
     conversation: str | None
 
 
-def _who(subject: Subject) -> str:
+def _who(subject: Subject, conversation: str | None) -> str:
     """Who 'the same agent' is for explaining a card: a registered run is itself
     (its lasting name: that run process in this kernel boot, whatever its label or
-    the executable it runs), any other subject its executable."""
+    the executable it runs). Outside runs, an agent that gave a conversation ref is
+    its executable in that conversation (a replacement process continuing it hears
+    why the last one's approval ended); any other is its own process (pid and start
+    time, whatever it execs), never every process of the same executable: a new
+    python3 is not told that another python3's approval ended."""
     if subject.run is not None:
         return "run\0" + subject.run.lasting
-    return subject.exe
+    if conversation:
+        return "exe\0" + subject.exe
+    return f"process\0{subject.pid}\0{subject.start_time!r}"
 
 
 def _match_key(subject: Subject, conversation: str | None, host: str, user: str) -> str:
     """Which later subject counts as 'the same agent' for explaining a new
-    card: the same run (`_who`) or else the same executable, same conversation
-    ref, same host and account. It explains; it never authorises. Hashed,
-    because it outlives the gateway (see `live_match_keys`) and a conversation
-    ref is the agent's text. Encoded with surrogateescape: a path is bytes, and
-    may not be UTF-8."""
-    joined = "\0".join((_who(subject), conversation or "", host.lower(), user))
+    card: the same `_who`, same conversation ref, same host and account. It
+    explains; it never authorises. Hashed, because it outlives the gateway (see
+    `live_match_keys`) and a conversation ref is the agent's text. Encoded with
+    surrogateescape: a path is bytes, and may not be UTF-8."""
+    who = _who(subject, conversation)
+    joined = "\0".join((who, conversation or "", host.lower(), user))
     return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
 
@@ -93,11 +101,13 @@ class ApprovalBook:
     clock: Callable[[], float] = time.time
     # A session grant began (reason None) or ended (with its reason).
     on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
-    on_card: Callable[[Card, CardEnding | None], None] | None = None  # opened (None) or closed
+    # A card opened (None), or closed: its ending, and why if it was withdrawn.
+    on_card: Callable[[Card, CardEnding | None, Withdrawal | None], None] | None = None
     _cards: dict[str, _Open] = field(default_factory=dict)
     _sessions: dict[tuple[SubjectKey, str, str], _Live] = field(default_factory=dict)
     _ended: dict[str, EndReason] = field(default_factory=dict)
     _command_grants: dict[str, CommandGrant] = field(default_factory=dict)  # card id -> grant
+    _withdrawn: dict[str, Withdrawal] = field(default_factory=dict)  # card id -> why, until read
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     # A bounded grant was made (reason None) or ended (its session's reason, or its own).
     on_grant: Callable[[Grant, EndReason | GrantEnd | None], None] | None = None
@@ -110,7 +120,7 @@ class ApprovalBook:
         self._cards[card.id] = _Open(card, fut)
         self._notify()
         if self.on_card is not None:
-            self.on_card(card, None)
+            self.on_card(card, None, None)
         return fut
 
     def pending(self) -> list[Card]:
@@ -122,16 +132,24 @@ class ApprovalBook:
         for o in self._cards.values():
             o.approver_seen = True
 
-    def close_card(self, card_id: str, answer: CardEnding) -> bool:
-        """End a card's life; True if it was still open (and is now answered)."""
+    def close_card(self, card_id: str, answer: CardEnding, why: Withdrawal | None = None) -> bool:
+        """End a card's life; True if it was still open (and is now answered). A
+        withdrawal says `why`; the request that waited reads it (`withdrawal`)."""
         o = self._cards.pop(card_id, None)
         if o is None or o.future.done():
             return False
+        if why is not None:
+            self._withdrawn[card_id] = why
         o.future.set_result(answer)
         self._notify()
         if self.on_card is not None:
-            self.on_card(o.card, answer)
+            self.on_card(o.card, answer, why)
         return True
+
+    def withdrawal(self, card_id: str) -> Withdrawal | None:
+        """Why the card was withdrawn (None: it was not), told once, to the request
+        that raised it."""
+        return self._withdrawn.pop(card_id, None)
 
     def expire(self, card_id: str) -> bool:
         """Nobody answered in time: say whether anybody was looking."""
@@ -157,7 +175,7 @@ class ApprovalBook:
             raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
         card = o.card
         if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
-            self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED)
+            self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED)
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
         made: Grant | None = None
         if grant is not None:
@@ -174,10 +192,12 @@ class ApprovalBook:
         self.close_card(card_id, CardEnding.APPROVED if approve else CardEnding.DECLINED)
         return card
 
-    def withdraw(self, pred: Callable[[Card], bool], answer: CardEnding) -> list[Card]:
+    def withdraw(
+        self, pred: Callable[[Card], bool], answer: CardEnding, why: Withdrawal
+    ) -> list[Card]:
         gone = [o.card for o in self._cards.values() if not o.future.done() and pred(o.card)]
         for card in gone:
-            self.close_card(card.id, answer)
+            self.close_card(card.id, answer, why)
         return gone
 
     async def wait_changed(self, timeout: float) -> None:
@@ -235,7 +255,7 @@ class ApprovalBook:
             self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
             for old in stale:  # its next card for those entries, under the new exe, says why
                 key = _match_key(subject, old.conversation, old.grant.host, old.grant.user)
-                self._ended[key] = EndReason.PROCESS_CHANGED
+                self._remember(key, EndReason.PROCESS_CHANGED)
             here = (host.lower(), user)
             if any((old.grant.host.lower(), old.grant.user) == here for old in stale):
                 return None, EndReason.PROCESS_CHANGED
@@ -251,7 +271,7 @@ class ApprovalBook:
             if pred(live.grant):
                 del self._sessions[key]
                 g = live.grant
-                self._ended[_match_key(live.subject, live.conversation, g.host, g.user)] = reason
+                self._remember(_match_key(live.subject, live.conversation, g.host, g.user), reason)
                 ended.append(g.id)
                 self._command_grants = {
                     c: cg for c, cg in self._command_grants.items() if cg.session_id != g.id
@@ -273,7 +293,16 @@ class ApprovalBook:
     def previous_lifetime(self, match_keys: Iterable[str]) -> None:
         """Approvals alive when the last lifetime ended explain the next cards."""
         for key in match_keys:
-            self._ended.setdefault(key, EndReason.GATEWAY_RESTARTED)
+            if key not in self._ended:
+                self._remember(key, EndReason.GATEWAY_RESTARTED)
+
+    def _remember(self, key: str, reason: EndReason) -> None:
+        """Why the approvals of `key` ended, latest last; the oldest is forgotten past
+        ENDED_REMEMBERED (most belong to processes that exited and never ask again)."""
+        self._ended.pop(key, None)
+        self._ended[key] = reason
+        while len(self._ended) > ENDED_REMEMBERED:
+            del self._ended[next(iter(self._ended))]
 
     def subjects(self) -> Iterable[Subject]:
         return [live.subject for live in self._sessions.values()]

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from bastion.core.cards import Card
+from bastion.core.cards import Card, Withdrawal
 from bastion.core.events import EventType
 from bastion.core.gate import CardEnding, EndReason
 from bastion.core.opguard import Operator
@@ -68,7 +68,9 @@ class Authority:
             lambda g: g.subject_key.process == subject.process_key, EndReason.PROCESS_CHANGED
         )
         gone = self.book.withdraw(
-            lambda c: c.subject.process_key == subject.process_key, CardEnding.WITHDRAWN_GONE
+            lambda c: c.subject.process_key == subject.process_key,
+            CardEnding.WITHDRAWN_GONE,
+            Withdrawal.AGENT_EXITED,
         )
         if ended or gone:
             log.info(
@@ -138,7 +140,9 @@ class Authority:
 
     def _vault_changed(self, locked: bool) -> None:
         ended = self.book.end_sessions(lambda g: True, EndReason.VAULT_STATE_CHANGED)
-        withdrawn = self.book.withdraw(lambda c: True, CardEnding.WITHDRAWN_LOCKED)
+        withdrawn = self.book.withdraw(
+            lambda c: True, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED
+        )
         self.retire_connections()
         kind = EventType.VAULT_LOCKED if locked else EventType.VAULT_UNLOCKED
         self.recorder.record(kind, {"epoch": self.vault.epoch})

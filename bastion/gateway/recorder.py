@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from bastion.core.cards import Card
+from bastion.core.cards import Card, Withdrawal
 from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
 from bastion.core.gate import CardEnding, EndReason, Request, SessionGrant
@@ -202,15 +202,22 @@ class Recorder:
             "%s: stdin %s, %d bytes, sha256 %s", req.request_id, s.end.value, s.size, s.sha256[:16]
         )
 
-    def denied(self, subject: Subject, req: Request, failure: Failure) -> None:
-        log.info("%s: denied %s", req.request_id, failure.code.value)
+    def denied(
+        self, subject: Subject, req: Request, failure: Failure, withdrawn: Withdrawal | None = None
+    ) -> None:
+        """The request's end before anything was sent. Its card withdrawn (`withdrawn`):
+        nobody said no, and the record and the operator's notice say why instead."""
+        code = failure.code.value
+        why = f"withdrawn ({withdrawn.words})" if withdrawn is not None else f"denied {code}"
+        log.info("%s: %s%s", req.request_id, why, f" ({code})" if withdrawn is not None else "")
         self.record(
             EventType.DENIED,
-            {"request_id": req.request_id, "code": failure.code.value},
+            {"request_id": req.request_id, "code": code}
+            | ({"withdrawn": withdrawn.value} if withdrawn is not None else {}),
             {"message": failure.message},
         )
         self.notice(
-            f"denied {failure.code.value}: pid {subject.pid} "
+            f"{why}: pid {subject.pid} "
             f"({os.path.basename(subject.exe)}) asked for {req.user}@{req.host}; "
             "nothing was sent",
             req.request_id,
@@ -233,14 +240,17 @@ class Recorder:
 
     # -- approvals -----------------------------------------------------------------------
 
-    def card(self, card: Card, answer: CardEnding | None) -> None:
+    def card(self, card: Card, answer: CardEnding | None, why: Withdrawal | None = None) -> None:
+        """A card raised (`answer` None) or closed: its ending, and why when it was
+        withdrawn (`why`: the agent exited, its connection closed, the vault locked)."""
         meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
         if answer is None:
             self.record(EventType.CARD_RAISED, meta, {"card": card.as_json(preview=False)})
             self.publish({"event": "card", "card": card.as_json()})
         else:
-            self.record(EventType.CARD_CLOSED, {**meta, "answer": answer.value})
-            self.publish({"event": "closed", "card": card.id, "answer": answer.value})
+            withdrawn = {"why": why.value} if why is not None else {}
+            self.record(EventType.CARD_CLOSED, {**meta, "answer": answer.value, **withdrawn})
+            self.publish({"event": "closed", "card": card.id, "answer": answer.value, **withdrawn})
 
     def session(self, grant: SessionGrant, subject: Subject, reason: EndReason | None) -> None:
         if reason is None:

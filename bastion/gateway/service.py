@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from bastion.core.cards import Card, make_card
+from bastion.core.cards import Card, Withdrawal, make_card
 from bastion.core.contract import Failure, Refusal
 from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_ROUNDS
 from bastion.core.events import (
@@ -252,6 +252,8 @@ class Service:
         self.held: Counter[Tenant] = Counter()
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
+        # request id -> why its card was withdrawn, from `authorize` to the `denied` record
+        self.withdrawn: dict[str, Withdrawal] = {}
         book.on_card = self._card_event
         book.on_session = self._session_event
         book.on_grant = self._grant_event
@@ -405,7 +407,8 @@ class Service:
             )
 
     def _denied(self, conn: AgentConn, req: Request, failure: Failure) -> Failure:
-        self.recorder.denied(conn.peer.subject, req, failure)
+        why = self.withdrawn.pop(req.request_id, None)
+        self.recorder.denied(conn.peer.subject, req, failure, why)
         return failure
 
     async def authorize(
@@ -456,8 +459,10 @@ class Service:
                 self.approval_timeout,
             )
             told = tell if wanted(verdict.account.waiting_line, wait_line) else None
-            answer = await self._ask(conn, card, told)
+            answer, why = await self._ask(conn, card, told)
             if answer is not CardEnding.APPROVED:
+                if why is not None:  # nobody said no: the `denied` record says why
+                    self.withdrawn[req.request_id] = why
                 target = f"{card.binding.user}@{card.host}"
                 refused = unanswered(card.kind, answer, target, reason, self.approval_timeout)
                 return refused.failure(req.request_id)
@@ -477,9 +482,10 @@ class Service:
 
     async def _ask(
         self, conn: AgentConn, card: Card, tell: Callable[[bytes], None] | None = None
-    ) -> CardEnding:
-        """Raise a card and wait for its answer, its withdrawal, or the timeout; `tell`
-        the agent so, at once, when it asked to be told."""
+    ) -> tuple[CardEnding, Withdrawal | None]:
+        """Raise a card and wait for its answer, its withdrawal (and why), or the
+        timeout; `tell` the agent so, at once, when it asked to be told. Cancelled
+        while waiting, the channel or connection closed: the card is withdrawn so."""
         fut = self.book.open_card(card)
         conn.cards.add(card.id)
         self.watch(card.subject)
@@ -498,11 +504,15 @@ class Service:
         schedule = self.schedule or asyncio.get_running_loop().call_later
         timer = schedule(self.approval_timeout, lambda: self.book.expire(card.id))
         try:
-            return await asyncio.shield(fut)
+            ending = await asyncio.shield(fut)
         finally:
             timer.cancel()
             conn.cards.discard(card.id)
-            self.book.close_card(card.id, CardEnding.WITHDRAWN_GONE)  # no-op if answered
+            self.book.close_card(  # a no-op if it was answered or withdrawn already
+                card.id, CardEnding.WITHDRAWN_GONE, Withdrawal.CONNECTION_CLOSED
+            )
+            why = self.book.withdrawal(card.id)
+        return ending, why
 
     async def dispatch(
         self,
@@ -618,14 +628,14 @@ class Service:
     def connection_closed(self, conn: AgentConn) -> None:
         self.connections.discard(conn)
         for card_id in list(conn.cards):
-            self.book.close_card(card_id, CardEnding.WITHDRAWN_GONE)
+            self.book.close_card(card_id, CardEnding.WITHDRAWN_GONE, Withdrawal.CONNECTION_CLOSED)
 
     # -- what the book reports -------------------------------------------------------------
 
-    def _card_event(self, card: Card, answer: CardEnding | None) -> None:
+    def _card_event(self, card: Card, answer: CardEnding | None, why: Withdrawal | None) -> None:
         if answer is None and self.recorder.watchers:
             self.book.note_operator()  # somebody is looking at it right now
-        self.recorder.card(card, answer)
+        self.recorder.card(card, answer, why)
 
     def _session_event(
         self, grant: SessionGrant, subject: Subject, reason: EndReason | None
