@@ -279,7 +279,7 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
-def _clock(ts: float) -> str:
+def clock(ts: float) -> str:
     """A start time as a person reads it on a card: today's as the time only."""
     when = time.localtime(ts)
     if time.strftime("%Y-%m-%d", when) == time.strftime("%Y-%m-%d"):
@@ -386,7 +386,7 @@ def card_rows(card: dict[str, Any]) -> list[Row]:
         Row("  asked by:", asked),
         Row("", Text(f"uid {s['uid']}, started {_when(s['start_time'])}")),
     ]
-    run = describe_run(s, _clock(s["start_time"]))
+    run = describe_run(s, clock(s["start_time"]))
     if run is not None:
         rows.append(Row("  run:", Text(run)))
     elif s.get("sandboxed"):
@@ -413,6 +413,9 @@ def card_rows(card: dict[str, Any]) -> list[Row]:
     if card.get("terminal"):
         words = "runs with a terminal (its stdout and stderr arrive merged)"
         rows.append(Row("  terminal:", Text(words), style=WARN))
+    if card.get("grantable"):
+        words = "g widens a yes to this run's commands matching a pattern, for uses or minutes"
+        rows.append(Row("  grant:", Text(words)))
     return rows
 
 

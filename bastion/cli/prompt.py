@@ -28,18 +28,22 @@ from typing import Any
 
 from rich.cells import cell_len
 
-from bastion.cli.cardview import Style, fit, render_card, render_details
+from bastion.cli.cardview import Style, clock, fit, render_card, render_details
 from bastion.cli.notify import BELL, Alerts, Notifier, notification_for
 from bastion.cli.promptkeys import (
+    BOUND_CHOICES,
     CONFIRMING,
     HELP,
     NOTES,
     PASTE_OFF,
     PASTE_ON,
     Act,
+    GrantDraft,
     Mode,
+    bound_text,
     decide,
 )
+from bastion.cli.rows import activity_rows, cells, session_rows
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
@@ -56,6 +60,20 @@ STATUS_EVERY = 3.0  # seconds between status refreshes when nothing happens
 STATUS_GAP = 0.3  # at least this long between two refreshes, however many events come
 STATUS_TIMEOUT = 2.0  # seconds a status request may take before the line says so
 QUESTION = "approve? [y/n then Enter"  # then the keys that fit the line
+# Why a card left the screen unanswered: the gateway's withdrawal (`core/cards.Withdrawal`),
+# else how it ended.
+WITHDRAWN = {
+    "agent_exited": "its agent exited",
+    "connection_closed": "its connection closed",
+    "vault_locked": "the vault locked",
+}
+ENDED = {
+    "withdrawn_locked": "the vault locked",
+    "withdrawn_gone": "its process exited or disconnected",
+    "timeout": "nobody answered in time",
+    "unseen": "nobody answered in time",
+}
+ROWS_SHOWN = 5  # requests `a` shows (all of them: `bastion audit activity`)
 READ_SIZE = 4096  # one read takes a whole paste, so it is discarded whole
 
 
@@ -104,6 +122,8 @@ class Prompt:
         self.changed_at = float("-inf")  # monotonic time the card on screen last changed
         self.lock_hinted = False  # "l: nothing; L locks" is said once
         self.line_open = False  # the last write left the cursor on its line (a question)
+        self.key = ""  # the digit of the last read, for a grant's steps
+        self.draft: GrantDraft | None = None  # the grant being chosen for the card shown
 
     def write(self, text: str) -> None:
         """All output goes here: the status line is erased before anything else."""
@@ -256,16 +276,25 @@ class Prompt:
                 self.current = None
                 self._changed()
                 if answer not in ("approved", "declined"):
-                    why = {
-                        "withdrawn_locked": "the vault locked",
-                        "withdrawn_gone": "its process exited or disconnected",
-                        "timeout": "nobody answered in time",
-                        "unseen": "nobody answered in time",
-                    }.get(answer, answer)
+                    why = WITHDRAWN.get(event.get("why") or "") or ENDED.get(answer, answer)
                     self.tell(f"  {_shown(card_id)} withdrawn: {_shown(why)}", self.style.warn)
                 self._show_next()
         elif kind == "notice":
             self.tell(f"  notice: {_shown(event['text'])}", self.style.dim)
+        elif kind == "grant":
+            g = event.get("grant") or {}
+            left = g.get("uses_left")
+            self.tell(
+                f"  grant {_shown(g.get('id'))} made: {_shown(g.get('pattern'))}"
+                + (f", {left} use(s)" if left is not None else "")
+                + (f", until {clock(g['expires_at'])}" if g.get("expires_at") else ""),
+                self.style.dim,
+            )
+        elif kind == "grant_ended":
+            self.tell(
+                f"  grant {_shown(event.get('grant'))} ended: {_shown(event.get('reason'))}",
+                self.style.dim,
+            )
 
     def _alert(self, card: dict[str, Any]) -> None:
         """A new card: the bell on a terminal, a desktop notification if wanted."""
@@ -314,6 +343,7 @@ class Prompt:
 
     def _drop_begun(self) -> None:
         """An answer begun for the card that was shown ends: its Enter answers no other."""
+        self.draft = None
         if self.mode in CONFIRMING:
             self.mode = Mode.IDLE
             self.say(self.style.dim("  the answer begun was cancelled: the card changed"))
@@ -341,7 +371,7 @@ class Prompt:
         card = self.cards.get(self.current or "")
         chunk = self.carry + data.decode("utf-8", "replace")
         decision = decide(self.mode, chunk, time.monotonic() - self.changed_at, card is not None)
-        self.mode, self.carry = decision.mode, decision.carry
+        self.mode, self.carry, self.key = decision.mode, decision.carry, decision.key
         for act in decision.acts:
             if self._act(act, card) == "quit":
                 return "quit"
@@ -359,6 +389,7 @@ class Prompt:
             self.lock_hinted = self.lock_hinted or act is Act.HINT_LOCK  # the hint: once
             self._note(NOTES[act])
         elif act is Act.CANCEL and card is not None:
+            self.draft = None
             self.say(self.style.dim(f"  cancelled: {_shown(card['id'])} not answered"))
         elif act in (Act.ASK_APPROVE, Act.ASK_DENY) and card is not None:
             verb = "approve" if act is Act.ASK_APPROVE else "deny"
@@ -374,15 +405,107 @@ class Prompt:
             self._ask()
         elif act in (Act.APPROVE, Act.DENY) and card is not None:
             self._answer(card, act is Act.APPROVE)
+        elif act in (Act.SHOW_ACTIVITY, Act.SHOW_SESSIONS):
+            self._rows(act is Act.SHOW_ACTIVITY)
+        elif card is not None:
+            self._grant_step(act, card)
         return None
 
-    def _answer(self, card: dict[str, Any], approve: bool) -> None:
+    def _rows(self, activity: bool) -> None:
+        """The rows `bastion audit activity` (the last few) or `bastion sessions` print,
+        at this width, under the status line or the question, which comes back."""
         self.end_line()
+        width = self._width()
         try:
-            call(self.path, "answer", card=card["id"], approve=approve)
-            self.say(self.style.good("approved") if approve else self.style.bad("denied"))
+            if activity:
+                rows = activity_rows(
+                    (call(self.path, "audit", timeout=STATUS_TIMEOUT, view="activity") or [])[
+                        -ROWS_SHOWN:
+                    ],
+                    width,
+                )
+            else:
+                rows = session_rows(call(self.path, "sessions", timeout=STATUS_TIMEOUT), width)
+        except (OperatorError, OSError) as exc:
+            rows = [f"not available: {_shown(exc)}"]
+        title = f"last {ROWS_SHOWN} requests:" if activity else "live sessions:"
+        self.say(self.style.dim(title))
+        for row in rows or ["(none)"]:
+            self.say("  " + row if cells(row) < width - 2 else row)
+        self.stale = True
+        self._ask()
+
+    def _grant_step(self, act: Act, card: dict[str, Any]) -> None:
+        """One step of widening a yes to a bounded grant (`promptkeys`, `core/grants`)."""
+        cid = _shown(card["id"])
+        if act is Act.ASK_GRANT:
+            if not card.get("grantable") or card.get("argv") is None:
+                self.mode = Mode.IDLE
+                self._note(
+                    f"{cid}: this yes cannot be widened to a grant (the account's `grants` is "
+                    "off, or the command is shell source, a file, or runs with a terminal)"
+                )
+                return
+            self.draft = GrantDraft(tuple(card["argv"]))
+            self.tell(
+                f"grant on {cid}: a digit widens that word to * (again: back), Enter when "
+                "done; any other key cancels",
+                self.style.warn,
+            )
+            for i, word in enumerate(card["argv"][1:10], 1):
+                self.say(f"  {i}  {_shown(word)}")
+        elif act is Act.GRANT_WORD and self.draft is not None:
+            toggled = self.draft.toggled(self.key)
+            if toggled is None:
+                self.tell(f"  no word {self.key} to widen", self.style.dim)
+            self.draft = toggled or self.draft
+        elif act is Act.ASK_BOUND and self.draft is not None:
+            self.tell(f"  for: {BOUND_CHOICES} -- a digit", self.style.warn)
+            return
+        elif act is Act.GRANT_BOUND and self.draft is not None:
+            self.draft = self.draft.bounded(self.key)
+            assert self.draft.bound is not None
+            self.end_line()
+            self.write(
+                self.style.warn(
+                    f"approve {cid} and grant `{_shown(self.draft.pattern())}` for "
+                    f"{bound_text(self.draft.bound)} (this run's or process's commands only; "
+                    "it ends with its session)? press Enter to confirm, any other key to "
+                    "cancel "
+                )
+            )
+            return
+        elif act is Act.APPROVE_GRANT and self.draft is not None:
+            self._answer(card, True, self.draft.request())
+            return
+        if self.draft is not None:
+            self.say(f"  pattern: {self.style.bold(_shown(self.draft.pattern()))}")
+
+    def _answer(
+        self, card: dict[str, Any], approve: bool, grant: dict[str, object] | None = None
+    ) -> None:
+        self.end_line()
+        self.draft = None
+        try:
+            extra = {"grant": grant} if grant is not None else {}
+            reply = call(self.path, "answer", card=card["id"], approve=approve, **extra)
+            made = (reply or {}).get("grant") if isinstance(reply, dict) else None
+            if made:
+                left = made.get("uses_left")
+                self.say(
+                    self.style.good(
+                        f"approved, with grant {_shown(made.get('id'))}: "
+                        f"{_shown(made.get('pattern'))}"
+                        + (f", {left} use(s)" if left is not None else "")
+                    )
+                )
+            else:
+                self.say(self.style.good("approved") if approve else self.style.bad("denied"))
         except OperatorError as exc:
             self.say(self.style.bad(f"not applied: {_shown(exc)}"))
+            if grant is not None:  # a grant refused leaves the card open: ask again
+                self._ask()
+                return
         self.cards.pop(card["id"], None)
         self.current = None
         self._changed()

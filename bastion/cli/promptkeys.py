@@ -9,20 +9,38 @@ screen changing (it was meant for what was there before). Each is discarded whol
 note. Keys are case-sensitive: `L` locks, `l` (as in "clear" typed into the wrong pane) does
 nothing. `L` alone is exempt from the guard: locking only takes authority away, and a stream
 of cards must not be able to keep the operator from it.
+
+A yes may be widened to a bounded grant (`core/grants`) with the same deliberateness: `g`,
+then a digit per argv word to widen to `*`, Enter, a digit for the bound (`GRANT_BOUNDS`),
+and Enter once more on the whole grant read back -- one key a read, under the same guard.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+
+from bastion.core.grants import quote_word
 
 GUARD = 0.4  # seconds after the card on screen changed in which input answers nothing
 PASTE_ON = "\033[?2004h"  # ask the terminal to mark pastes (bracketed paste)...
 PASTE_OFF = "\033[?2004l"  # ...and to stop, at exit
 PASTE_START = "\033[200~"
 PASTE_END = "\033[201~"
-HELP = "y or n then Enter answers (Esc cancels), d details, L lock the vault, q quit"
+HELP = (
+    "y or n then Enter answers (Esc cancels), g widens a yes to a grant, d details, "
+    "a activity, s sessions, L lock the vault, q quit"
+)
+# What a grant's bound may be, one key each: (uses, minutes).
+GRANT_BOUNDS: dict[str, tuple[int | None, int | None]] = {
+    "1": (1, None),
+    "2": (2, None),
+    "3": (5, None),
+    "4": (10, None),
+    "5": (None, 10),
+    "6": (None, 60),
+}
 ENTER = frozenset({"\r", "\n"})  # cbreak keeps ICRNL: Enter reads as "\n"; "\r" without it
 # One key that is several bytes: Esc alone, Alt+key, a CSI or SS3 sequence (arrows, F-keys).
 _ONE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|O.|.)?", re.DOTALL)
@@ -35,9 +53,21 @@ class Mode(Enum):
     CONFIRM_APPROVE = "confirm_approve"  # `y` given to the card shown: Enter approves it
     CONFIRM_DENY = "confirm_deny"  # `n` given: Enter denies it
     PASTE = "paste"  # inside a bracketed paste: everything is discarded until its end
+    GRANT_WORDS = "grant_words"  # `g`: digits choose the argv words a grant widens, Enter
+    GRANT_BOUND = "grant_bound"  # then a digit chooses its bound (`GRANT_BOUNDS`)
+    CONFIRM_GRANT = "confirm_grant"  # the grant read back: Enter approves with it
 
 
-CONFIRMING = frozenset({Mode.CONFIRM_APPROVE, Mode.CONFIRM_DENY})
+# An answer begun: a card change, a discarded read or a key out of place drops it.
+CONFIRMING = frozenset(
+    {
+        Mode.CONFIRM_APPROVE,
+        Mode.CONFIRM_DENY,
+        Mode.GRANT_WORDS,
+        Mode.GRANT_BOUND,
+        Mode.CONFIRM_GRANT,
+    }
+)
 
 
 class Act(Enum):
@@ -55,6 +85,13 @@ class Act(Enum):
     IGNORED_PASTE = "ignored_paste"
     IGNORED_BURST = "ignored_burst"  # several keys in one read
     HINT_LOCK = "hint_lock"  # `l`: nothing; the prompt says once that `L` locks
+    ASK_GRANT = "ask_grant"  # `g`: show the argv words, numbered, to choose from
+    GRANT_WORD = "grant_word"  # a digit: that word is widened to * (or back); `Decision.key`
+    ASK_BOUND = "ask_bound"  # Enter after the words: show the bounds to choose from
+    GRANT_BOUND = "grant_bound"  # a digit: that bound; read the grant back (`Decision.key`)
+    APPROVE_GRANT = "approve_grant"  # Enter on the grant read back: send yes with it
+    SHOW_ACTIVITY = "show_activity"  # `a`: the last requests, as `bastion audit activity`
+    SHOW_SESSIONS = "show_sessions"  # `s`: the live sessions, as `bastion sessions`
 
 
 # What the prompt says about a read it discarded, or about a key that does nothing.
@@ -72,6 +109,46 @@ class Decision:
     mode: Mode
     acts: tuple[Act, ...] = ()
     carry: str = ""  # inside a paste: the read's tail, put before the next read (a split end)
+    key: str = ""  # GRANT_WORD, GRANT_BOUND: the digit pressed
+
+
+@dataclass(frozen=True)
+class GrantDraft:
+    """The grant being chosen for the card shown: which of its argv words become `*` (the
+    program, word 0, never does; a digit reaches words 1 to 9) and its bound."""
+
+    argv: tuple[str, ...]
+    wild: frozenset[int] = frozenset()
+    bound: tuple[int | None, int | None] | None = None  # (uses, minutes)
+
+    def toggled(self, key: str) -> GrantDraft | None:
+        """The draft with that word widened (or back); None if there is no such word."""
+        at = int(key)
+        if not 1 <= at < len(self.argv):
+            return None
+        return replace(self, wild=self.wild ^ {at})
+
+    def bounded(self, key: str) -> GrantDraft:
+        return replace(self, bound=GRANT_BOUNDS[key])
+
+    def pattern(self) -> str:
+        """As `core/grants.parse_grant` reads it: the card's words, quoted, `*` bare."""
+        return " ".join("*" if i in self.wild else quote_word(w) for i, w in enumerate(self.argv))
+
+    def request(self) -> dict[str, object]:
+        """The `grant` argument of the operator socket's `answer`."""
+        uses, minutes = self.bound or (None, None)
+        return {"pattern": self.pattern(), "uses": uses, "minutes": minutes}
+
+
+def bound_text(bound: tuple[int | None, int | None]) -> str:
+    uses, minutes = bound
+    if uses is not None:
+        return f"{uses} use{'s' if uses != 1 else ''}"
+    return f"{minutes} minutes"
+
+
+BOUND_CHOICES = "  ".join(f"{k}) {bound_text(b)}" for k, b in GRANT_BOUNDS.items())
 
 
 def one_key(chunk: str) -> str | None:
@@ -118,6 +195,14 @@ def decide(mode: Mode, chunk: str, since_change: float, card_shown: bool) -> Dec
         return Decision(Mode.IDLE, (Act.APPROVE,))
     if mode is Mode.CONFIRM_DENY and key in ENTER:
         return Decision(Mode.IDLE, (Act.DENY,))
+    if mode is Mode.GRANT_WORDS and key.isdigit() and key != "0":
+        return Decision(Mode.GRANT_WORDS, (Act.GRANT_WORD,), key=key)
+    if mode is Mode.GRANT_WORDS and key in ENTER:
+        return Decision(Mode.GRANT_BOUND, (Act.ASK_BOUND,))
+    if mode is Mode.GRANT_BOUND and key in GRANT_BOUNDS:
+        return Decision(Mode.CONFIRM_GRANT, (Act.GRANT_BOUND,), key=key)
+    if mode is Mode.CONFIRM_GRANT and key in ENTER:
+        return Decision(Mode.IDLE, (Act.APPROVE_GRANT,))
     if cancel:
         return Decision(Mode.IDLE, cancel)  # anything but Enter cancels, and only cancels
     if key == "q":
@@ -130,4 +215,10 @@ def decide(mode: Mode, chunk: str, since_change: float, card_shown: bool) -> Dec
         return Decision(Mode.CONFIRM_DENY, (Act.ASK_DENY,))
     if card_shown and key == "d":
         return Decision(Mode.IDLE, (Act.DETAILS,))
+    if card_shown and key == "g":
+        return Decision(Mode.GRANT_WORDS, (Act.ASK_GRANT,))
+    if key == "a":
+        return Decision(Mode.IDLE, (Act.SHOW_ACTIVITY,))
+    if key == "s":
+        return Decision(Mode.IDLE, (Act.SHOW_SESSIONS,))
     return Decision(Mode.IDLE)  # any other key, `Y` and `N` among them: nothing

@@ -12,7 +12,7 @@ from typing import Any
 
 from bastion.core.display import escape_text
 
-KEYS = "L lock, q quit"
+KEYS = "L lock, q quit, a activity, s sessions"  # cut from the end on a narrow terminal
 
 
 def witness_part(w: dict[str, Any] | None) -> str:

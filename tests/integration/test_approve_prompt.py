@@ -71,7 +71,26 @@ def test_a_withdrawn_card_is_announced(bastion: Bastion, prompt: Terminal) -> No
     agent.start("echo gone")
     prompt.expect("approve? [y/n then Enter")
     agent.close()
-    prompt.expect("withdrawn: its process exited")
+    prompt.expect("withdrawn: its agent exited")
     time.sleep(GUARD + 0.2)  # the card on screen changed: keys wait out the guard
     prompt.type("q")
     assert prompt.proc.wait(10) == 0
+
+
+def test_a_and_s_show_the_views_rows_in_the_prompt(bastion: Bastion, prompt: Terminal) -> None:
+    """The rows of `bastion audit activity` and `bastion sessions`, on a key, at the
+    prompt's width; the control is the same rows from the CLI."""
+    agent = bastion.agent()
+    rid = agent.start("echo seen-in-activity")
+    prompt.expect("session approval")
+    prompt.answer("y")
+    assert agent.wait(rid).stdout == b"seen-in-activity\n"
+    session = bastion.op("sessions")[0]["id"]
+    assert session in bastion.cli("sessions").stdout
+    time.sleep(GUARD + 0.2)
+    prompt.type("s")
+    assert session in prompt.expect("live sessions:" and session)
+    time.sleep(GUARD + 0.2)
+    prompt.type("a")
+    screen = prompt.expect("echo seen-in-activity")
+    assert "last 5 requests:" in screen and "@web1" in screen

@@ -10,6 +10,8 @@ APPROVAL_TIMEOUT or NO_APPROVER: a command that completes was covered by the gra
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,9 @@ from typing import Any
 import pytest
 
 from bastion import journal
+from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import Agent, Bastion, make_bastion, policy_toml, run_agent
+from tests.harness import Agent, Bastion, Terminal, make_bastion, policy_toml, run_agent
 
 
 @pytest.fixture
@@ -188,3 +191,48 @@ def test_a_grant_is_for_its_run_alone(granting: Bastion) -> None:
         assert other.wait(rid).code == "CALL_DENIED"
     (grant,) = live_grants(b)
     assert grant["uses_left"] == 4
+
+
+def test_the_prompt_widens_a_yes_to_a_grant_one_key_a_step(granting: Bastion) -> None:
+    """`bastion approve` in a real pty: g, the word to widen, Enter, the bound, Enter on
+    the grant read back. The two uses run without cards, the third is carded. The
+    control: the same card answered with y alone covers nothing after it."""
+    term = Terminal(
+        [sys.executable, "-m", "bastion.cli", "--home", str(granting.home.root), "approve"]
+    )
+    try:
+        term.expect("waiting for cards")
+        agent = granting.agent()
+        rid = agent.start("echo restart a")
+        term.expect("session approval")
+        term.answer("y")
+        term.expect("g widens a yes")
+        step = GUARD + 0.2  # each key a read of its own, past the guard
+        for key, shown in (
+            ("g", "a digit widens that word"),
+            ("2", "pattern: echo restart *"),
+            ("\r", "for: 1) 1 use"),
+            ("2", "for 2 uses"),
+            ("\r", "approved, with grant grt_"),
+        ):
+            time.sleep(step)
+            term.type(key)
+            term.expect(shown)
+        assert agent.wait(rid).rc == 0
+        for name in ("b", "c"):
+            covered(granting, agent, f"echo restart {name}")
+        rid = agent.start("echo restart d")
+        term.expect(granting.next_card()["id"])  # the third is carded, on the prompt's screen
+        term.answer("n")
+        assert agent.wait(rid).code == "CALL_DENIED"
+
+        control = granting.agent()  # a process of its own: its yes is its own
+        rid = control.start("echo restart x")
+        term.expect("session approval")
+        term.answer("y")
+        term.expect("g widens a yes")
+        term.answer("y")
+        assert control.wait(rid).rc == 0
+        carded(granting, control, "echo restart y")
+    finally:
+        term.close()

@@ -27,9 +27,11 @@ def card(**over: Any) -> dict[str, Any]:
 
 
 def test_the_status_line_says_vault_sessions_pending_and_witness() -> None:
-    assert status_line(status()) == (
-        "vault unlocked | sessions 2 | pending 1 | witness none | L lock, q quit"
+    assert status_line(status(), 200) == (
+        "vault unlocked | sessions 2 | pending 1 | witness none | L lock, q quit, a activity, "
+        "s sessions"
     )
+    assert "| witness none | L lock, q quit" in status_line(status(), 80)
     assert status_line(status(locked=True, sessions=0)).startswith("vault locked | sessions 0 |")
     assert status_line(None).startswith("gateway status not available")
 

@@ -51,7 +51,7 @@ KINDS = [
     "command_shell",
     "command_stdin",
     "file_write",
-    "grant",  # H5's grant fields: its fixture is added with them (a real card's JSON)
+    "grant",  # a command card of an account with `grants = true`: g may widen its yes
 ]
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKwqVd3vMikqXGyJKL6mRiDHH8Ym3yLu2zkTPeUe2xx0"
@@ -67,6 +67,12 @@ user = "deploy"
 credential = "deploy-ed25519"
 approval = "per-command"
 files = {{ write = ["/srv/app/**"] }}
+
+[[hosts.web1.accounts]]
+user = "ops"
+credential = "deploy-ed25519"
+approval = "per-command"
+grants = true
 """,
     "policy.toml",
 )
@@ -124,6 +130,13 @@ SESSION = SessionGrant(
 )
 
 
+OPS = HOST.account("ops")
+assert OPS is not None
+OPS_SESSION = SessionGrant(
+    "ses_91d4e2b07a3c", SUBJECT.key, "web1", "ops", BOOT, EPOCH, entry_digest(HOST, OPS), 0
+)
+
+
 def _card(card_id: str, req: Request, session: SessionGrant | None, **kw: Any) -> dict[str, Any]:
     verdict = evaluate(req, _world(session))
     assert isinstance(verdict, AskSession | AskCommand), verdict
@@ -158,6 +171,11 @@ def _cards() -> dict[str, dict[str, Any]]:
             conversation="claude-code session 4f1e: restart the app after the config change",
         ),
         "command_argv": _card("cc_61d0b8e2a94f", exec_req, SESSION),
+        "grant": _card(
+            "cc_e4b19a7c3d02",
+            Request(REQ, "web1", "ops", b"systemctl restart app.service", SUBJECT.key),
+            OPS_SESSION,
+        ),
         "command_shell": _card(
             "cc_0a7f3e9d12c4", Request(REQ, "web1", "deploy", shell, SUBJECT.key), SESSION
         ),
@@ -184,7 +202,7 @@ def _cards() -> dict[str, dict[str, Any]]:
 def _fixture(kind: str) -> dict[str, Any]:
     path = SNAPSHOTS / f"{kind}.json"
     if not path.exists():
-        pytest.skip(f"no {path.name} yet (H5 adds the grant fields and this fixture)")
+        pytest.skip(f"no {path.name}: BASTION_UPDATE_SNAPSHOTS=1 makes it")
     doc = json.loads(path.read_text())
     assert isinstance(doc, dict)
     return doc

@@ -126,12 +126,49 @@ def test_only_enter_after_a_begun_answer_answers(
     """Over every mode and read: an answer is given only by a lone Enter, after the guard,
     to an answer begun, outside a paste; each read leaves the prompt in one known mode."""
     d = decide(mode, chunk, since, card)
-    answered = {Act.APPROVE, Act.DENY} & set(d.acts)
+    answered = {Act.APPROVE, Act.DENY, Act.APPROVE_GRANT} & set(d.acts)
     if answered:
         assert chunk in ("\r", "\n") and since >= GUARD and mode in CONFIRMING
-        assert d.acts == ((Act.APPROVE,) if mode is Mode.CONFIRM_APPROVE else (Act.DENY,))
+        want = {
+            Mode.CONFIRM_APPROVE: Act.APPROVE,
+            Mode.CONFIRM_DENY: Act.DENY,
+            Mode.CONFIRM_GRANT: Act.APPROVE_GRANT,
+        }
+        assert d.acts == (want[mode],)
     if Act.QUIT in d.acts:
         assert chunk == "q" and mode is Mode.IDLE
     if Act.LOCK in d.acts:
         assert chunk == "L"
-    assert d.mode in (Mode.IDLE, Mode.PASTE) or d.acts in ((Act.ASK_APPROVE,), (Act.ASK_DENY,))
+    begun = {
+        (Act.ASK_APPROVE,): Mode.CONFIRM_APPROVE,
+        (Act.ASK_DENY,): Mode.CONFIRM_DENY,
+        (Act.ASK_GRANT,): Mode.GRANT_WORDS,
+        (Act.GRANT_WORD,): Mode.GRANT_WORDS,
+        (Act.ASK_BOUND,): Mode.GRANT_BOUND,
+        (Act.GRANT_BOUND,): Mode.CONFIRM_GRANT,
+    }
+    assert d.mode in (Mode.IDLE, Mode.PASTE) or begun.get(d.acts) is d.mode
+    if d.mode in (Mode.GRANT_WORDS, Mode.GRANT_BOUND, Mode.CONFIRM_GRANT):
+        assert since >= GUARD and one_key(chunk) == chunk  # one deliberate key a step
+
+
+def test_a_grant_is_chosen_one_key_a_step_and_confirmed_with_enter() -> None:
+    """g, a digit per word, Enter, a digit for the bound, Enter: each step one key after
+    the guard; any other key drops the whole grant, and a burst is never a step."""
+    late = GUARD + 1
+    d = decide(Mode.IDLE, "g", late, True)
+    assert (d.mode, d.acts) == (Mode.GRANT_WORDS, (Act.ASK_GRANT,))
+    d = decide(Mode.GRANT_WORDS, "2", late, True)
+    assert (d.mode, d.acts, d.key) == (Mode.GRANT_WORDS, (Act.GRANT_WORD,), "2")
+    assert decide(Mode.GRANT_WORDS, "0", late, True).acts == (Act.CANCEL,)  # the program
+    d = decide(Mode.GRANT_WORDS, "\r", late, True)
+    assert (d.mode, d.acts) == (Mode.GRANT_BOUND, (Act.ASK_BOUND,))
+    d = decide(Mode.GRANT_BOUND, "2", late, True)
+    assert (d.mode, d.acts, d.key) == (Mode.CONFIRM_GRANT, (Act.GRANT_BOUND,), "2")
+    assert decide(Mode.CONFIRM_GRANT, "\r", late, True).acts == (Act.APPROVE_GRANT,)
+    for mode in (Mode.GRANT_WORDS, Mode.GRANT_BOUND, Mode.CONFIRM_GRANT):
+        assert decide(mode, "x", late, True).acts == (Act.CANCEL,)
+        assert decide(mode, "2\r", late, True).acts == (Act.CANCEL, Act.IGNORED_BURST)
+        assert decide(mode, "\r", 0.1, True).acts == (Act.CANCEL, Act.IGNORED_GUARD)
+    assert decide(Mode.GRANT_BOUND, "9", late, True).acts == (Act.CANCEL,)  # no such bound
+    assert decide(Mode.IDLE, "g", late, False).acts == ()  # no card: nothing to widen
