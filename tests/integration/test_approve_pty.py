@@ -219,6 +219,12 @@ def test_a_resize_redraws_the_card_at_the_new_width(bastion: Bastion, screen: Sc
     screen.wait(f"{card_id} (session on web1): approve? [y/n then Enter, d details, L lock]")
     shown = screen.text().splitlines()
     assert any(line.startswith(header) for line in shown), shown
+    # At the new width: the target line holds the host key's fingerprint, which at 80
+    # columns stood on a line of its own.
+    fingerprint = next(c for c in bastion.op("pending") if c["id"] == card_id)[
+        "host_key_fingerprint"
+    ]
+    assert any("target:" in line and fingerprint in line for line in shown), shown
 
     confirm(bastion, screen, card_id)  # the redraw was a change: the guard, then the answer
     assert agent.wait(rid).stdout == b"resized\n"
