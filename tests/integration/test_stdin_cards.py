@@ -78,7 +78,8 @@ def test_a_piped_script_is_on_the_card_and_a_no_runs_nothing(pc: Bastion, tmp_pa
     assert stdin["sha256"] == hashlib.sha256(script.read_bytes()).hexdigest()
     assert f"touch {marker}\\n" == stdin["preview"]
     shown = pc.cli("pending").stdout
-    assert f"stdin:    {stdin['size']} bytes, sha256 {stdin['sha256']}" in shown
+    assert f"stdin:    {stdin['size']} bytes -- the command reads these:" in shown
+    assert f"stdin sha256: {stdin['sha256']}" in shown
     assert f"touch {marker}" in shown
     pc.answer(card, False)
     result = agent.wait(rid)
