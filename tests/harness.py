@@ -9,6 +9,7 @@ build these are in `conftest.py`; `bench/` uses this module too.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import getpass
@@ -20,9 +21,11 @@ import pwd
 import queue
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +37,7 @@ import psutil
 from cryptography.hazmat.primitives import serialization
 
 from bastion import journal, opsock
+from bastion.cli.agents import home_ssh_config
 from bastion.devtools.sshd_fixture import SshdInfo
 from bastion.home import Home
 
@@ -378,19 +382,57 @@ class Bastion:
         self.stop_daemon()
 
 
-def make_bastion(
-    root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None, start: bool = True
-) -> Bastion:
-    b = Bastion(root, sshd)
+def _init_home(b: Bastion, key_file: Path) -> None:
+    """`bastion init` and `bastion key import deploy-key KEY_FILE`, as an operator types them."""
     b.cli("init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
     b.cli(
         "key", "import", "deploy-key", str(key_file), "--passphrase-stdin", stdin=PASSPHRASE + "\n"
     )
+
+
+# A test's first bastion is a copy of a home `_init_home` made once per pytest process and
+# key file: the two CLI processes cost about 1.5 s a test on a loaded 2-core CI machine,
+# hundreds of times. A home's files name no path, so the copy is what `init` makes there,
+# but with the random keys every other test's copy has too. A test's second and later
+# bastions are made afresh: two bastions of one test never share a gateway key, journal key
+# or vault. Outside pytest (bench/) every home is made afresh.
+_made_homes: dict[tuple[str, bytes], Path] = {}
+_copied_for_test: list[str] = []
+
+
+def _copy_made_home(b: Bastion, key_file: Path) -> bool:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if not test or test in _copied_for_test:
+        return False
+    key = (str(key_file.resolve()), key_file.read_bytes())
+    made = _made_homes.get(key)
+    if made is None:
+        scratch = Bastion(Path(tempfile.mkdtemp(prefix="made-home-")), b.sshd)
+        _init_home(scratch, key_file)
+        atexit.register(shutil.rmtree, scratch.root, True)
+        made = _made_homes[key] = scratch.home.root
+    shutil.copytree(made, b.home.root, symlinks=True)
+    _copied_for_test[:] = [test]
+    return True
+
+
+def make_bastion(
+    root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None, start: bool = True
+) -> Bastion:
+    """A bastion home for `sshd` holding `key_file` as deploy-key, the agents' ssh_config,
+    and (`start`) its gateway running and unlocked. What `bastion ssh-config` and `bastion
+    unlock` do is done here in this process (`home_ssh_config`, the operator request):
+    the setup of hundreds of tests starts no interpreter for them; the commands themselves
+    run as processes in the tests of them (test_cli_matrix.py, `Bastion.unlock`)."""
+    b = Bastion(root, sshd)
+    if not _copy_made_home(b, key_file):
+        _init_home(b, key_file)
     b.write_policy(policy if policy is not None else policy_toml(sshd))
-    b.config.write_text(b.cli("ssh-config").stdout)
+    b.config.write_text(home_ssh_config(b.home))
     if start:
         b.start_daemon()
-        b.unlock()
+        unlocked = b.op("unlock", passphrase=base64.b64encode(PASSPHRASE.encode()).decode())
+        assert unlocked["vault_epoch"], unlocked
     return b
 
 
