@@ -380,6 +380,7 @@ class Bastion:
         for a in self.agents:
             a.close()
         self.stop_daemon()
+        _open_copies.discard(self.home.root)
 
 
 def _init_home(b: Bastion, key_file: Path) -> None:
@@ -390,19 +391,20 @@ def _init_home(b: Bastion, key_file: Path) -> None:
     )
 
 
-# A test's first bastion is a copy of a home `_init_home` made once per pytest process and
-# key file: the two CLI processes cost about 1.5 s a test on a loaded 2-core CI machine,
-# hundreds of times. A home's files name no path, so the copy is what `init` makes there,
-# but with the random keys every other test's copy has too. A test's second and later
-# bastions are made afresh: two bastions of one test never share a gateway key, journal key
-# or vault. Outside pytest (bench/) every home is made afresh.
+# A bastion is a copy of a home `_init_home` made once per pytest process and key file,
+# unless another copy is open: the two CLI processes cost about 1.5 s of CPU a bastion,
+# hundreds of times a run. A home's files name no path, so the copy is what `init` makes
+# there, but with the random keys of every other copy. No two open bastions share them:
+# while one copy is open (a test's first bastion, a module's shared one), every other is
+# made afresh. A copy under a test's own tmp_path is let go when that test ends, closed or
+# not, and every copy when its module's last test ends (`release_copies`, conftest.py).
+# Outside pytest (bench/) every home is made afresh.
 _made_homes: dict[tuple[str, bytes], Path] = {}
-_copied_for_test: list[str] = []
+_open_copies: set[Path] = set()
 
 
 def _copy_made_home(b: Bastion, key_file: Path) -> bool:
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-    if not test or test in _copied_for_test:
+    if "PYTEST_CURRENT_TEST" not in os.environ or _open_copies:
         return False
     key = (str(key_file.resolve()), key_file.read_bytes())
     made = _made_homes.get(key)
@@ -412,8 +414,15 @@ def _copy_made_home(b: Bastion, key_file: Path) -> bool:
         atexit.register(shutil.rmtree, scratch.root, True)
         made = _made_homes[key] = scratch.home.root
     shutil.copytree(made, b.home.root, symlinks=True)
-    _copied_for_test[:] = [test]
+    _open_copies.add(b.home.root)
     return True
+
+
+def release_copies(under: Path) -> None:
+    """The end of what made the copies under `under` (a test's tmp_path, or `/` at the end
+    of a module): they are no longer open."""
+    for home in [h for h in _open_copies if h.is_relative_to(under)]:
+        _open_copies.discard(home)
 
 
 def make_bastion(
