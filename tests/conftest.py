@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, sshd_available
-from tests.harness import Bastion, make_bastion
+from tests.harness import Bastion, make_bastion, release_copies
 
 TIERS = ("unit", "integration", "container", "clients")
 
@@ -40,6 +40,20 @@ TEST_TMP = Path("/var/tmp/bt")  # short: unix socket paths in it must fit 107 by
 TEST_TMP.mkdir(mode=0o1777, exist_ok=True)
 os.environ["TMPDIR"] = str(TEST_TMP)
 tempfile.tempdir = str(TEST_TMP)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test's bastions made under its tmp_path end with it, closed or not; a module's
+    (its module-scoped fixtures' homes) end with the module's last test."""
+    try:
+        return (yield)
+    finally:
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if nextitem is None or nextitem.path != item.path:
+            release_copies(Path("/"))
+        elif tmp is not None:
+            release_copies(tmp)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

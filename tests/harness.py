@@ -9,6 +9,7 @@ build these are in `conftest.py`; `bench/` uses this module too.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import fcntl
@@ -21,10 +22,12 @@ import pwd
 import queue
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -37,6 +40,7 @@ import psutil
 from cryptography.hazmat.primitives import serialization
 
 from bastion import journal, opsock
+from bastion.cli.agents import home_ssh_config
 from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
 from bastion.home import Home
@@ -380,21 +384,68 @@ class Bastion:
         for a in self.agents:
             a.close()
         self.stop_daemon()
+        _open_copies.discard(self.home.root)
+
+
+def _init_home(b: Bastion, key_file: Path) -> None:
+    """`bastion init` and `bastion key import deploy-key KEY_FILE`, as an operator types them."""
+    b.cli("init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
+    b.cli(
+        "key", "import", "deploy-key", str(key_file), "--passphrase-stdin", stdin=PASSPHRASE + "\n"
+    )
+
+
+# A bastion is a copy of a home `_init_home` made once per pytest process and key file,
+# unless another copy is open: the two CLI processes cost about 1.5 s of CPU a bastion,
+# hundreds of times a run. A home's files name no path, so the copy is what `init` makes
+# there, but with the random keys of every other copy. No two open bastions share them:
+# while one copy is open (a test's first bastion, a module's shared one), every other is
+# made afresh. A copy under a test's own tmp_path is let go when that test ends, closed or
+# not, and every copy when its module's last test ends (`release_copies`, conftest.py).
+# Outside pytest (bench/) every home is made afresh.
+_made_homes: dict[tuple[str, bytes], Path] = {}
+_open_copies: set[Path] = set()
+
+
+def _copy_made_home(b: Bastion, key_file: Path) -> bool:
+    if "PYTEST_CURRENT_TEST" not in os.environ or _open_copies:
+        return False
+    key = (str(key_file.resolve()), key_file.read_bytes())
+    made = _made_homes.get(key)
+    if made is None:
+        scratch = Bastion(Path(tempfile.mkdtemp(prefix="made-home-")), b.sshd)
+        _init_home(scratch, key_file)
+        atexit.register(shutil.rmtree, scratch.root, True)
+        made = _made_homes[key] = scratch.home.root
+    shutil.copytree(made, b.home.root, symlinks=True)
+    _open_copies.add(b.home.root)
+    return True
+
+
+def release_copies(under: Path) -> None:
+    """The end of what made the copies under `under` (a test's tmp_path, or `/` at the end
+    of a module): they are no longer open."""
+    for home in [h for h in _open_copies if h.is_relative_to(under)]:
+        _open_copies.discard(home)
 
 
 def make_bastion(
     root: Path, sshd: SshdInfo, key_file: Path, policy: str | None = None, start: bool = True
 ) -> Bastion:
+    """A bastion home for `sshd` holding `key_file` as deploy-key, the agents' ssh_config,
+    and (`start`) its gateway running and unlocked. What `bastion ssh-config` and `bastion
+    unlock` do is done here in this process (`home_ssh_config`, the operator request):
+    the setup of hundreds of tests starts no interpreter for them; the commands themselves
+    run as processes in the tests of them (test_cli_matrix.py, `Bastion.unlock`)."""
     b = Bastion(root, sshd)
-    b.cli("init", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
-    b.cli(
-        "key", "import", "deploy-key", str(key_file), "--passphrase-stdin", stdin=PASSPHRASE + "\n"
-    )
+    if not _copy_made_home(b, key_file):
+        _init_home(b, key_file)
     b.write_policy(policy if policy is not None else policy_toml(sshd))
-    b.config.write_text(b.cli("ssh-config").stdout)
+    b.config.write_text(home_ssh_config(b.home))
     if start:
         b.start_daemon()
-        b.unlock()
+        unlocked = b.op("unlock", passphrase=base64.b64encode(PASSPHRASE.encode()).decode())
+        assert unlocked["vault_epoch"], unlocked
     return b
 
 
