@@ -102,10 +102,14 @@ def target(row: Mapping[str, Any]) -> str:
 
 
 def grant_part(grant: object) -> str | None:
-    """A bounded grant a row ran under: its id, its pattern and the uses left."""
+    """A bounded grant: on an activity row the id of the grant a use came from (the
+    journal names only it); on a session row the grant itself (`Grant.as_json`: its
+    pattern and the uses left)."""
+    if isinstance(grant, str):
+        return escape_text(f"grant {grant}")
     if not isinstance(grant, Mapping):
         return None
-    left = grant.get("remaining")
+    left = grant.get("uses_left", grant.get("remaining"))
     uses = "" if left is None else f", {left} use{'' if left == 1 else 's'} left"
     pattern = grant.get("pattern")
     if isinstance(pattern, list | tuple):
@@ -218,8 +222,10 @@ def session_fields(row: Mapping[str, Any], now: float) -> list[str]:
         ended = clock(row.get("ended_at"), now)
         when = f"{started}-{ended} {escape_text(str(row['end_reason']))}"
     by = approver(row.get("approved_by"))
-    if (g := grant_part(row.get("grant"))) is not None:
-        by += f"  {g}"
+    grants = row.get("grants")
+    for grant in [row.get("grant"), *(grants if isinstance(grants, list) else [])]:
+        if (g := grant_part(grant)) is not None:
+            by += f"  {g}"
     return [escape_text(str(sid)), who(row.get("subject")), target(row), when, by]
 
 

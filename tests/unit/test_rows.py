@@ -92,6 +92,16 @@ def test_a_file_operation_shows_its_path() -> None:
     assert rows.activity_row(row, None, NOW).endswith("  put /etc/motd")
 
 
+def test_the_grants_as_the_gateway_and_the_journal_give_them() -> None:
+    """`sessions` rows carry `grants` (`Grant.as_json`: pattern, uses_left); an activity
+    row the id of the grant its use came from (`dispatch_started`'s meta)."""
+    made = {"id": "grt_9", "pattern": "echo restart *", "uses_left": 1, "expires_at": None}
+    live = {"id": "ses_1", "user": "u", "host": "web1", "approved_at": NOW, "grants": [made]}
+    assert rows.session_row(live, None, NOW).endswith("grant grt_9: echo restart *, 1 use left")
+    line = rows.activity_row(request(grant="grt_9"), None, NOW)
+    assert "[grant grt_9]" in line
+
+
 def test_a_grant_shows_its_pattern_and_the_uses_left() -> None:
     grant = {"id": "gr_1", "pattern": ["systemctl", "restart", "*"], "remaining": 1}
     line = rows.activity_row(request(grant=grant), None, NOW)
