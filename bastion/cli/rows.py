@@ -180,7 +180,14 @@ SHRINKABLE = frozenset({WHO, TARGET})
 def activity_fields(row: Mapping[str, Any], now: float) -> list[str]:
     """time, who, user@host, outcome, command"""
     end = ending(row)
-    if (g := grant_part(row.get("grant"))) is not None:
+    grant = row.get("grant")
+    if isinstance(grant, str) and row.get("grant_pattern") is not None:
+        grant = {
+            "id": grant,
+            "pattern": row["grant_pattern"],
+            "uses_left": row.get("grant_uses_left"),
+        }
+    if (g := grant_part(grant)) is not None:
         end += f" [{g}]"
     return [
         clock(row.get("received_at"), now),

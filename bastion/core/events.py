@@ -374,11 +374,15 @@ def run_label(subject: object) -> str | None:
 
 def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per request: what was asked, when, by whom (the run's label, or the
-    process), and how and when it ended."""
+    process), and how and when it ended; a use of a bounded grant names the grant, its
+    pattern and the uses it left."""
     rows: dict[str, dict[str, Any]] = {}
+    patterns: dict[str, Any] = {}  # grant id -> its pattern, from its grant_made
     for entry, e in events:
         rid = entry.meta.get("request_id")
         kind = event_type(entry)
+        if kind is EventType.GRANT_MADE:
+            patterns[str(entry.meta.get("grant"))] = e.get("pattern")
         if not rid or kind is None:
             continue
         if kind is EventType.REQUEST_RECEIVED:
@@ -415,7 +419,12 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
         elif kind is EventType.CERTIFICATE_ISSUED:
             row["certificate"] = certificate_of(entry)
         elif kind is EventType.GRANT_USED:
-            row["grant"] = entry.meta.get("grant")
+            grant = entry.meta.get("grant")
+            row.update(
+                grant=grant,
+                grant_pattern=patterns.get(str(grant)),
+                grant_uses_left=entry.meta.get("uses_left"),
+            )
         elif kind.outcome is not None:
             row.update(
                 outcome=kind.outcome.value,

@@ -273,6 +273,8 @@ async def test_a_grant_of_two_uses_runs_two_matching_commands_then_a_card() -> N
         "systemctl restart b",
         "systemctl restart c",
     ]
+    shown = sorted((r["grant_pattern"], r["grant_uses_left"]) for r in rows if r["grant"])
+    assert shown == [("systemctl restart *", 0), ("systemctl restart *", 1)]
 
 
 async def test_without_a_grant_each_matching_command_raises_a_card() -> None:

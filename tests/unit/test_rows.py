@@ -100,6 +100,8 @@ def test_the_grants_as_the_gateway_and_the_journal_give_them() -> None:
     assert rows.session_row(live, None, NOW).endswith("grant grt_9: echo restart *, 1 use left")
     line = rows.activity_row(request(grant="grt_9"), None, NOW)
     assert "[grant grt_9]" in line
+    used = request(grant="grt_9", grant_pattern="echo restart *", grant_uses_left=0)
+    assert "[grant grt_9: echo restart *, 0 uses left]" in rows.activity_row(used, None, NOW)
 
 
 def test_a_grant_shows_its_pattern_and_the_uses_left() -> None:
