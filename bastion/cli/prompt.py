@@ -74,6 +74,7 @@ ENDED = {
     "unseen": "nobody answered in time",
 }
 ROWS_SHOWN = 5  # requests `a` shows (all of them: `bastion audit activity`)
+VIEW_TIMEOUT = 30.0  # seconds `a` or `s` may wait for the gateway's rows
 READ_SIZE = 4096  # one read takes a whole paste, so it is discarded whole
 
 
@@ -417,15 +418,13 @@ class Prompt:
         self.end_line()
         width = self._width()
         try:
-            if activity:
-                rows = activity_rows(
-                    (call(self.path, "audit", timeout=STATUS_TIMEOUT, view="activity") or [])[
-                        -ROWS_SHOWN:
-                    ],
-                    width,
+            if activity:  # the gateway decrypts the journal for it: a long one takes a while
+                last = call(
+                    self.path, "audit", timeout=VIEW_TIMEOUT, view="activity", last=ROWS_SHOWN
                 )
+                rows = activity_rows(last or [], width)
             else:
-                rows = session_rows(call(self.path, "sessions", timeout=STATUS_TIMEOUT), width)
+                rows = session_rows(call(self.path, "sessions", timeout=VIEW_TIMEOUT), width)
         except (OperatorError, OSError) as exc:
             rows = [f"not available: {_shown(exc)}"]
         title = f"last {ROWS_SHOWN} requests:" if activity else "live sessions:"

@@ -65,6 +65,9 @@ def flag_arg(args: dict[str, Any], name: str, default: bool | None = None) -> bo
     return value
 
 
+MAX_AUDIT_LAST = 10_000  # rows an `audit` request may ask for by `last` (0: all of them)
+
+
 def number_arg(args: dict[str, Any], name: str, low: float, high: float) -> float:
     """A number argument within [low, high]; absent (or null) means `low`."""
     value = args.get(name)
@@ -300,12 +303,17 @@ class Control:
         return {"killed": rid}
 
     async def audit(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """A journal view (`last`: only its last N rows, as `bastion approve`'s `a` asks).
+        The journal is read and decrypted whole in a worker thread: on the event loop it
+        would hold up every agent's request for as long as the journal is long."""
         view = text_arg(args, "view")
+        last = int(number_arg(args, "last", 0, MAX_AUDIT_LAST))
         try:
             key = self.gw.vault.private_key(IDENTITY_LABEL).pyca_key
-            return ops.audit_view(view, self.gw.home.journal, key)
+            rows = await asyncio.to_thread(ops.audit_view, view, self.gw.home.journal, key)
         except (VaultError, ops.OpsError) as exc:
             raise OperatorError(str(exc)) from None
+        return rows[-last:] if last else rows
 
     # -- keys --------------------------------------------------------------------------
 

@@ -94,3 +94,5 @@ def test_a_and_s_show_the_views_rows_in_the_prompt(bastion: Bastion, prompt: Ter
     prompt.type("a")
     screen = prompt.expect("echo seen-in-activity")
     assert "last 5 requests:" in screen and "@web1" in screen
+    every = bastion.op("audit", view="activity")
+    assert bastion.op("audit", view="activity", last=1) == every[-1:] and every

@@ -158,7 +158,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "answer": {"card": "str", "approve": "bool"},
     "revoke": {"session": "str"},
     "kill": {"request": "str"},
-    "audit": {"view": "str"},
+    "audit": {"view": "str", "last": "number"},
     "key_public": {"label": "str"},
     "lock": {"terminate": "bool"},
     "unlock": {"passphrase": "str"},
