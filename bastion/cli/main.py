@@ -303,7 +303,11 @@ def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
     \b
     y then Enter   approve the card the question names
     n then Enter   deny it (Esc or any other key cancels a begun answer)
+    g              widen a yes to a bounded grant (accounts with grants = true):
+                   a digit per argv word to widen to *, Enter, a digit for the
+                   bound (uses or minutes), Enter on the grant read back
     d              details (process chain, digests)
+    a / s          the last requests / the live sessions, as the views show them
     L              lock the vault at once, no confirmation (l does nothing)
     q              quit
 

@@ -99,7 +99,7 @@ class Authority:
             card.request_id,
             card.id,
             "approved" if approve else "declined",
-            f", with a grant ({grant.pattern!r})" if grant is not None else "",
+            ", with a bounded grant" if grant is not None else "",  # its pattern is command text
         )
         return card
 

@@ -98,6 +98,9 @@ def test_a_grant_of_two_uses_covers_two_matching_commands_and_no_more(granting: 
     assert made.meta["grant"] == grant["id"] and made.meta["card"] == card["id"]
     used = [r.meta for r in records if r.type == "grant_used"]
     assert [u["grant"] for u in used] == [grant["id"]] * 2
+    # The gateway's log names the grant by its id, never its pattern (command text).
+    log = b.log.read_text()
+    assert grant["id"] in log and "restart *" not in log
     intents = {r.meta["request_id"]: r.meta for r in records if r.type == "dispatch_started"}
     assert all(intents[u["request_id"]]["grant"] == grant["id"] for u in used)
     rows = {r["request_id"]: r for r in b.op("audit", view="activity")}
