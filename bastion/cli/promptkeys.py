@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from bastion.core.grants import quote_word
+from bastion.core.grants import Pattern
 
 GUARD = 0.4  # seconds after the card on screen changed in which input answers nothing
 PASTE_ON = "\033[?2004h"  # ask the terminal to mark pastes (bracketed paste)...
@@ -133,7 +133,8 @@ class GrantDraft:
 
     def pattern(self) -> str:
         """As `core/grants.parse_grant` reads it: the card's words, quoted, `*` bare."""
-        return " ".join("*" if i in self.wild else quote_word(w) for i, w in enumerate(self.argv))
+        words = tuple(None if i in self.wild else w for i, w in enumerate(self.argv))
+        return Pattern(words).text
 
     def request(self) -> dict[str, object]:
         """The `grant` argument of the operator socket's `answer`."""

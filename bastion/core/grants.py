@@ -95,9 +95,7 @@ class Grant:
 
     def live(self, now: float) -> bool:
         """Not used up, not expired."""
-        return (self.uses_left is None or self.uses_left > 0) and (
-            self.expires_at is None or now < self.expires_at
-        )
+        return self.end_reason(now) is None
 
     def holds(
         self,
