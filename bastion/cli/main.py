@@ -175,14 +175,23 @@ def lock(ctx: click.Context, terminate: bool) -> None:
     )
 
 
-def load_line(load: dict[str, Any] | None) -> str:
-    """Backpressure ([limits] in bastion.toml): in flight, queued, refused busy."""
+def load_lines(load: dict[str, Any] | None) -> list[str]:
+    """Backpressure: in flight (the ceiling is [limits] inflight in bastion.toml), queued,
+    refused busy; then each target's learned limit (core/concurrency.py)."""
     if not load:
-        return "load:      -"
-    return (
-        f"load:      {load['inflight']} command(s) in flight (limit {load['limit']}), "
+        return ["load:      -"]
+    lines = [
+        f"load:      {load['inflight']} command(s) in flight (ceiling {load['limit']}), "
         f"{load['waiting']} queued, {load['busy_refused']} refused GATEWAY_BUSY since start"
-    )
+    ]
+    for t in load.get("targets") or []:
+        base = t.get("baseline_ms")
+        lines.append(
+            f"  {t['target']}: limit {t['limit']} (learned), {t['inflight']} in flight, "
+            f"{t['waiting']} queued"
+            + (f", a command takes {base:.0f} ms at best" if base is not None else "")
+        )
+    return lines
 
 
 def witness_lines(w: dict[str, Any] | None) -> list[str]:
@@ -246,7 +255,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"agents:    {listener(listeners.get('agent'))}",
             f"operator:  {listener(listeners.get('operator'))}",
             f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
-            load_line(s.get("load")),
+            *load_lines(s.get("load")),
             f"boot:      {s['boot_id']}",
             *witness_lines(s.get("witness")),
             *(f"WARNING {foreign_warning(span)}" for span in s.get("foreign_records") or []),

@@ -14,7 +14,8 @@ told: codes, exit statuses, the `Refusal`), `errors` (the root exception),
 shown), `options` (options that run programs), `sharing` (what an agent is told
 of a shared ssh connection), `terminal` (the terminal an ssh client asked for),
 `grants` (bounded grants: a yes widened to an argv pattern, for uses or
-minutes), `defaults` (every tunable, once).
+minutes), `concurrency` (how many commands one target serves well at once,
+learned from their times), `defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

@@ -1,18 +1,27 @@
-"""Backpressure: at most `limit` commands in flight, the rest wait their turn.
+"""Backpressure: how many commands are in flight, per target and in all, and who goes next.
 
-Past the limit a decided command waits in a queue of its own subject's, and a
-freed slot goes to the subjects in turn (round robin), not to whoever sent the
-most: one busy agent cannot starve the others. A command that waits longer than
-`wait` seconds gets `NoSlot`, what was observed; the gate words it
-(`gate.no_slot`: `GATEWAY_BUSY`, retryable, nothing was sent) unless the world
-as it is now refuses first (`gate.after_wait`). Nothing hangs and nothing is
-lost: a command either gets a slot or that answer, and is journaled either way.
+Two limits hold a decided command before its dispatch:
+
+- its target's **lane** (per host and account): a limit learned from how long the
+  target's commands take (`core/concurrency.py`), so a burst of pooled commands a
+  target would only queue is not sent at once -- the burst direct ssh's staggered
+  handshakes would not have sent either;
+- the **ceiling** over every target (`[limits] inflight`), which no lane exceeds.
+
+Past a limit a command waits, and a freed slot goes to the waiters in turn: the
+tenants (a registered run, or a uid outside every run) round robin, and within a
+tenant its processes round robin -- not to whoever sent the most, so one busy run
+or agent cannot starve the others. A command that waits longer than `wait` seconds
+in all gets `NoSlot`, what was observed; the gate words it (`gate.no_slot`:
+`GATEWAY_BUSY`, retryable, nothing was sent) unless the world as it is now refuses
+first (`gate.after_wait`). Nothing hangs and nothing is lost: a command either gets
+a slot or that answer, and is journaled either way.
 
 The wait happens after the gate's decision and before the dispatch, whose final
 check decides again: a lock or revoke while a command waits still stops it.
 
-The same fair slots hold the agent socket's identity walks (`agent_doors.py`:
-a few worker threads, shared per tenant), so a flood of connections from one
+The same fair slots hold the agent socket's identity walks (`agent_doors.py`: a few
+worker threads, shared per tenant, no lanes), so a flood of connections from one
 run waits behind its own walks, not in front of everyone's.
 """
 
@@ -21,8 +30,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Hashable
+import time
+from collections.abc import AsyncIterator, Callable, Hashable
+from typing import Any
 
+from bastion.core.concurrency import Estimate, bounded, held_back, observe
 from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
 from bastion.core.errors import BastionError
 
@@ -31,84 +43,235 @@ class NoSlot(BastionError):
     """No slot freed up within the wait; the text says how full the slots were."""
 
 
-class Admission:
-    def __init__(
-        self, limit: int | None = MAX_INFLIGHT, wait: float = QUEUE_WAIT, what: str = "commands"
-    ) -> None:
-        self.limit = limit  # None: no limit
-        self.wait = wait
-        self.what = what  # what holds the slots, for the `NoSlot` text
-        self.inflight = 0
-        self._queues: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
-        self._turns: collections.deque[Hashable] = collections.deque()  # subjects, in turn
-        self.refused = 0  # commands that waited `wait` in vain, since start
+class Turns:
+    """Waiting futures, handed out in turn: groups round robin, and within a group
+    its members round robin. A done future (a wait that ran out or was cancelled)
+    is skipped."""
 
-    def waiting(self) -> int:
-        return sum(not f.done() for q in self._queues.values() for f in q)
+    def __init__(self) -> None:
+        # group -> member -> its waiters; dict order is the members' turn order.
+        self._groups: dict[Hashable, dict[Hashable, collections.deque[asyncio.Future[None]]]] = {}
+        self._order: collections.deque[Hashable] = collections.deque()  # groups, in turn
 
-    @contextlib.asynccontextmanager
-    async def slot(self, owner: Hashable) -> AsyncIterator[None]:
-        """Hold one in-flight slot for the body; wait for one, fairly, when none is free."""
-        if self.limit is None or (self.inflight < self.limit and not self._queues):
-            self.inflight += 1
-        else:
-            await self._queue(owner)
-        try:
-            yield
-        finally:
-            self._release()
+    def __len__(self) -> int:
+        return sum(not f.done() for m in self._groups.values() for q in m.values() for f in q)
 
-    async def _queue(self, owner: Hashable) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if owner not in self._queues:
-            self._queues[owner] = collections.deque()
-            self._turns.append(owner)
-        self._queues[owner].append(fut)
-        try:
-            await asyncio.wait_for(fut, self.wait)
-        except TimeoutError:
-            if fut.done() and not fut.cancelled():
-                return  # the slot was handed over as the wait ran out: it is ours
-            self._forget(owner, fut)
-            self.refused += 1
-            raise NoSlot(
-                f"{self.inflight} {self.what} are in flight (the limit) and {self.waiting()} wait; "
-                f"none finished within {self.wait:g}s"
-            ) from None
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._release()  # handed over, but the command is gone: pass it on
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def add(self, group: Hashable, member: Hashable, fut: asyncio.Future[None]) -> None:
+        members = self._groups.get(group)
+        if members is None:
+            members = self._groups[group] = {}
+            self._order.append(group)
+        members.setdefault(member, collections.deque()).append(fut)
+
+    def of(self, group: Hashable) -> list[asyncio.Future[None]]:
+        """A group's waiters, in its members' turn order."""
+        return [f for q in self._groups.get(group, {}).values() for f in q]
+
+    def pop(self) -> asyncio.Future[None] | None:
+        """The next live waiter in turn, or None."""
+        while self._order:
+            group = self._order.popleft()
+            members = self._groups[group]
+            found = None
+            while members and found is None:
+                member = next(iter(members))
+                q = members.pop(member)
+                while q and q[0].done():
+                    q.popleft()
+                if q:
+                    found = q.popleft()
+                    if q:
+                        members[member] = q  # its next waiter comes after the others'
+            if members:
+                self._order.append(group)
             else:
-                self._forget(owner, fut)
-            raise
+                del self._groups[group]
+            if found is not None:
+                return found
+        return None
 
-    def _forget(self, owner: Hashable, fut: asyncio.Future[None]) -> None:
-        q = self._queues.get(owner)
-        if q is None:
+    def forget(self, group: Hashable, member: Hashable, fut: asyncio.Future[None]) -> None:
+        members = self._groups.get(group)
+        q = members.get(member) if members is not None else None
+        if members is None or q is None:
             return
         with contextlib.suppress(ValueError):
             q.remove(fut)
-        if not q and self._queues.get(owner) is q:
-            del self._queues[owner]
+        if not q:
+            del members[member]
+        if not members:
+            del self._groups[group]
             with contextlib.suppress(ValueError):
-                self._turns.remove(owner)
+                self._order.remove(group)
 
-    def _release(self) -> None:
-        """Hand the slot to the next subject in turn, or free it."""
-        while self._turns:
-            owner = self._turns.popleft()
-            q = self._queues[owner]
-            # A wait that just ran out is cancelled here before its owner forgets it.
-            while q and q[0].done():
-                q.popleft()
-            if not q:
-                del self._queues[owner]
-                continue
-            fut = q.popleft()
-            if q:
-                self._turns.append(owner)  # its next command waits for its next turn
+
+class Slots:
+    """One limit (None: none) and its waiters."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.inflight = 0
+        self.turns = Turns()
+
+    def open(self) -> bool:
+        return self.limit is None or self.inflight < self.limit
+
+    async def take(self, group: Hashable, member: Hashable, timeout: float) -> bool:
+        """Hold a slot: at once if one is free and nobody waits, else in turn within
+        `timeout` seconds. False: the wait ran out (nothing is held)."""
+        if self.open() and not self.turns:
+            self.inflight += 1
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.turns.add(group, member, fut)
+        try:
+            await asyncio.wait_for(fut, max(timeout, 0.0))
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return True  # the slot was handed over as the wait ran out: it is ours
+            self.turns.forget(group, member, fut)
+            return False
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed over, but the command is gone: pass it on
             else:
-                del self._queues[owner]
-            fut.set_result(None)  # the slot passes on: inflight is unchanged
-            return
+                self.turns.forget(group, member, fut)
+            raise
+        return True
+
+    def give(self) -> None:
+        """A slot comes back: it goes to the next waiter in turn if the limit allows."""
         self.inflight -= 1
+        self.fill()
+
+    def fill(self) -> None:
+        """Hand out slots to waiters while the limit allows (it may have grown)."""
+        while self.open():
+            fut = self.turns.pop()
+            if fut is None:
+                return
+            self.inflight += 1
+            fut.set_result(None)
+
+
+class Lane:
+    """One target's learned limit and its slots."""
+
+    def __init__(self, name: str, ceiling: int | None) -> None:
+        self.name = name
+        self.estimate = Estimate(limit=bounded(Estimate().limit, ceiling))
+        self.slots = Slots(self.estimate.limit)
+
+    def learn(self, seconds: float, ceiling: int | None) -> None:
+        self.estimate = observe(self.estimate, seconds, ceiling)
+        self.slots.limit = self.estimate.limit
+        self.slots.fill()
+
+    def status(self) -> dict[str, Any]:
+        base = self.estimate.baseline
+        return {
+            "target": self.name,
+            "limit": self.estimate.limit,
+            "inflight": self.slots.inflight,
+            "waiting": len(self.slots.turns),
+            "baseline_ms": None if base is None else round(base * 1e3, 1),
+        }
+
+
+class Admission:
+    def __init__(
+        self,
+        limit: int | None = MAX_INFLIGHT,
+        wait: float = QUEUE_WAIT,
+        what: str = "commands",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ceiling = Slots(limit)  # None: no ceiling (lanes still learn)
+        self.wait = wait
+        self.what = what  # what holds the slots, for the `NoSlot` text
+        self.clock = clock
+        self.lanes: dict[str, Lane] = {}
+        self.refused = 0  # commands that waited `wait` in vain, since start
+
+    @property
+    def limit(self) -> int | None:
+        return self.ceiling.limit
+
+    @property
+    def inflight(self) -> int:
+        return self.ceiling.inflight
+
+    def waiting(self) -> int:
+        return len(self.ceiling.turns) + sum(len(lane.slots.turns) for lane in self.lanes.values())
+
+    def targets(self) -> list[dict[str, Any]]:
+        """Each target's learned limit, in flight and queue (`bastion status`)."""
+        return [self.lanes[name].status() for name in sorted(self.lanes)]
+
+    def lane(self, target: str) -> Lane:
+        found = self.lanes.get(target)
+        if found is None:
+            found = self.lanes[target] = Lane(target, self.ceiling.limit)
+        return found
+
+    @contextlib.asynccontextmanager
+    async def slot(
+        self, owner: Hashable, group: Hashable | None = None, target: str | None = None
+    ) -> AsyncIterator[None]:
+        """Hold a slot of `target`'s lane (if named) and of the ceiling for the body;
+        wait for them, in turn, when none is free: `group` (the tenant) round robin,
+        and `owner` (its process) within it. A body that ends normally is a sample of
+        the target's time (`core/concurrency.observe`)."""
+        group = owner if group is None else group
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        lane = self.lane(target) if target is not None else None
+        if lane is not None:
+            if not lane.slots.open() or lane.slots.turns:
+                lane.estimate = held_back(lane.estimate)
+            if not await lane.slots.take(group, owner, self.wait):
+                raise self._refused(lane)
+        try:
+            if not await self.ceiling.take(group, owner, deadline - loop.time()):
+                raise self._refused(None)
+        except BaseException:
+            if lane is not None:
+                lane.slots.give()
+            raise
+        graduated = False
+
+        def graduate() -> None:  # running long: not waiting at the start (concurrency.py)
+            nonlocal graduated
+            graduated = True
+            assert lane is not None
+            lane.slots.give()
+
+        timer = loop.call_later(lane.estimate.graduation, graduate) if lane else None
+        started = self.clock()
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            self.ceiling.give()
+            if lane is not None and timer is not None and not graduated:
+                timer.cancel()
+                lane.slots.give()
+                if ended:
+                    lane.learn(self.clock() - started, self.ceiling.limit)
+
+    def _refused(self, lane: Lane | None) -> NoSlot:
+        self.refused += 1
+        if lane is not None:
+            s = lane.slots
+            return NoSlot(
+                f"{s.inflight} {self.what} to {lane.name} are in flight (the limit learned "
+                f"for that target) and {len(s.turns)} wait; none finished within {self.wait:g}s"
+            )
+        return NoSlot(
+            f"{self.inflight} {self.what} are in flight (the limit) and {self.waiting()} wait; "
+            f"none finished within {self.wait:g}s"
+        )

@@ -189,6 +189,8 @@ class Control:
                 "limit": gw.service.admission.limit,
                 "waiting": gw.service.admission.waiting(),
                 "busy_refused": gw.service.admission.refused,
+                # Each target's learned limit (core/concurrency.py), in flight and queued.
+                "targets": gw.service.admission.targets(),
             },
             # How far behind the witness is (None: bastion.toml asks for none).
             "witness": gw.witness.health() if gw.witness is not None else None,

@@ -346,7 +346,11 @@ class Service:
             return self._denied(conn, req, decided)
         req, streams = decided.request, decided.streams
         try:
-            async with self.admission.slot(conn.peer.subject.process_key):
+            async with self.admission.slot(
+                conn.peer.subject.process_key,
+                Tenant.of_subject(conn.peer.subject),
+                decided.dispatch.account.label,
+            ):
                 return await self.dispatch(
                     conn, req, conversation, decided, streams, arrival, perform
                 )

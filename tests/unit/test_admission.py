@@ -132,7 +132,7 @@ async def test_a_wait_that_runs_out_as_a_slot_frees_is_skipped_not_crashed() -> 
     late = runs.start("b", "late")
     nxt = runs.start("c", "c1")
     await settle()
-    queued = a._queues["b"][0]  # the wait_for inside `late` cancels exactly this
+    queued = a.ceiling.turns.of("b")[0]  # the wait_for inside `late` cancels exactly this
     queued.cancel()
     await runs.end("c0")  # releases before `late` has seen its cancellation
     await first

@@ -46,6 +46,7 @@ CORE_ALLOWED = {
     "json",
     "math",
     "re",
+    "statistics",
     "tomllib",
     "types",
     "typing",
