@@ -371,10 +371,11 @@ def run(
     sandbox cannot be made, nothing starts: the message says what to install or
     turn on. SSH_AUTH_SOCK inside names a throwaway agent of the run's own, with one
     key that identifies nothing, for clients that want a key (paramiko, fabric);
-    --no-sandbox runs keep the environment as it is. In both, SHLVL is 1 where it
-    was unset or 0: ssh runs the ProxyCommand through $SHELL, and bash, seeing a
-    socket and no SHLVL, would read ~/.bashrc on every call (an agent outside
-    `bastion run` gets the same by running ssh with SHLVL=1 or SHELL=/bin/sh).
+    --no-sandbox runs keep the environment as it is, but for SHLVL: every run has
+    SHLVL=1 where it was unset or 0, because ssh runs the ProxyCommand through
+    $SHELL, and bash, seeing a socket there and no SHLVL, would read ~/.bashrc on
+    every call (an agent outside `bastion run` gets the same by running ssh with
+    SHLVL=1 or SHELL=/bin/sh).
 
     With --isolated the agent runs as the agent user, in groups of that user's
     group only, in a private HOME, with PATH, LANG, LC_ALL, HOME, USER, LOGNAME
