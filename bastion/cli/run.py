@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ TERM_GRACE = 2.0  # seconds the rest of the tree has between SIGTERM and SIGKILL
 KILL_PATIENCE = 10.0  # then give up on what will not die (uninterruptible sleep) and say so
 ISOLATED_HOME = Path("/tmp/home")  # an isolated agent's HOME: in the run's own /tmp
 GIVEN_WORDS, GIVEN_WORD = 16, 200  # what a registration may say it was given (the header's 4 KiB)
+NESTED = "1"  # the run's SHLVL where it had none: see `nested`
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -185,6 +187,24 @@ def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
     return code if code >= 0 else 128 - code
 
 
+def nested(env: Mapping[str, str]) -> dict[str, str]:
+    """The run's environment with SHLVL at least 1, so ssh's ProxyCommand skips ~/.bashrc.
+
+    ssh runs the ProxyCommand as `$SHELL -c "exec ..."` with a socket on its stdin
+    (ProxyUseFdpass); Debian's bash then reads ~/.bashrc first, as if sshd had started it,
+    unless SHLVL says it is nested (SHLVL >= 1 before bash adds its own 1). An agent that
+    runs ssh straight from a program started without a shell (SHLVL unset, or 0 as
+    `bash -c` leaves it) paid its whole rc on every call, which direct ssh never does.
+    Clearing SSH_CLIENT is not enough (the socket alone makes bash read it), and
+    SHELL=/bin/sh would change the shell the agent's own tools pick. SHLVL >= 1 is what
+    a shell-started agent has already; bash treats a value that is not a number as 0."""
+    try:
+        level = int(env.get("SHLVL", "0"))
+    except ValueError:
+        level = 0
+    return dict(env) if level >= 1 else {**env, "SHLVL": NESTED}
+
+
 def agent_env(iso: Isolation, home_dir: Path) -> dict[str, str]:
     """The isolated agent's whole environment: nothing of the operator's."""
     return {
@@ -264,7 +284,7 @@ def _prepare(
     `keys`: the run's throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
     if iso is None:
         layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
-        env: dict[str, str] = dict(os.environ)
+        env: dict[str, str] = nested(os.environ)
         where: dict[str, Any] = {}
     else:
         # The agent user's own view: its HOME is a directory in the run's private /tmp
@@ -351,7 +371,11 @@ def run(
     sandbox cannot be made, nothing starts: the message says what to install or
     turn on. SSH_AUTH_SOCK inside names a throwaway agent of the run's own, with one
     key that identifies nothing, for clients that want a key (paramiko, fabric);
-    --no-sandbox runs keep the environment as it is.
+    --no-sandbox runs keep the environment as it is, but for SHLVL: every run has
+    SHLVL=1 where it was unset or 0, because ssh runs the ProxyCommand through
+    $SHELL, and bash, seeing a socket there and no SHLVL, would read ~/.bashrc on
+    every call (an agent outside `bastion run` gets the same by running ssh with
+    SHLVL=1 or SHELL=/bin/sh).
 
     With --isolated the agent runs as the agent user, in groups of that user's
     group only, in a private HOME, with PATH, LANG, LC_ALL, HOME, USER, LOGNAME
@@ -413,7 +437,7 @@ def _start(
         err=True,
     )
     if box is None:
-        return _supervise(list(command), False)
+        return _supervise(list(command), False, env=nested(os.environ))
     popen: dict[str, Any] = {
         "env": box.env,
         # Its own session, without the operator's terminal as its controlling
