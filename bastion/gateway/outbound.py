@@ -226,7 +226,7 @@ class Dispatcher:
         found gone before the certificate left is replaced; after, it is a failure to
         connect, as on a fresh connection (the certificate may have been seen)."""
         opener = partial(self._open_parked, host, account)
-        warm = self.warm.take(_warm_key(host, account, vault_epoch), opener)
+        warm = self.warm.take(_warm_key(host, account), vault_epoch, opener)
         conn = None
         if warm is not None:
             try:
@@ -397,7 +397,7 @@ class Dispatcher:
             conn.close()
             # The target let this one in: park the next command's connection now (after
             # this command, so its key exchange does not compete with this one's run).
-            self.warm.fill(_warm_key(host, account, vault_epoch))
+            self.warm.fill(_warm_key(host, account), vault_epoch)
 
     async def _exec(
         self,
@@ -497,10 +497,10 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
     return lost(host.alias, "the connection to the target ended before it reported an exit status")
 
 
-def _warm_key(host: Host, account: Account, vault_epoch: int) -> tuple[str, int, str, str, int]:
-    """What a parked connection is for: a target, the user it asked to log in as, the pin
-    its key exchange checked, and the vault epoch (a lock or unlock retires it)."""
-    return (host.address, host.port, account.user, host.host_key, vault_epoch)
+def _warm_key(host: Host, account: Account) -> tuple[str, int, str, str]:
+    """What a parked connection is for (in one vault epoch): a target, the user it asked
+    to log in as, and the pin its key exchange checked."""
+    return (host.address, host.port, account.user, host.host_key)
 
 
 def _failed(

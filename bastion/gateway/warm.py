@@ -36,7 +36,7 @@ from typing import Any
 
 import asyncssh
 
-PER_KEY = 1  # parked connections per (target, user, pin, vault epoch)
+PER_KEY = 1  # parked connections per (target, user, pin) and vault epoch
 RECYCLE = 30.0  # seconds a parked connection waits before it is closed and replaced
 KEEP_WARM = 120.0  # replaced only while its key took a connection this recently
 
@@ -144,14 +144,19 @@ class Warm:
         self._schedule = schedule
         self._entries: dict[Hashable, _Entry] = {}
         self._generation = 0  # a retire_all ends every timer set before it
+        self._seen = 0  # the newest vault epoch a command took a connection in
+        self._stale = -1  # epochs up to this one were retired: none is parked for them
         self.opened = 0  # parked connections opened ahead of a command
         self.rode = 0  # commands that took one
         self.missed = 0  # commands that found none usable and opened their own
 
-    def take(self, key: Hashable, opener: Open) -> Opening | None:
-        """A parked (or still handshaking) connection for `key`, never handed out
-        again, or None. `opener` makes the next one (`fill`)."""
-        entry = self._entries.setdefault(key, _Entry(opener))
+    def take(self, key: Hashable, epoch: int, opener: Open) -> Opening | None:
+        """A parked (or still handshaking) connection for `key` in vault epoch `epoch`,
+        never handed out again, or None. `opener` makes the next one (`fill`)."""
+        if epoch <= self._stale:
+            return None  # decided before the vault changed state: no warm set for it
+        self._seen = max(self._seen, epoch)
+        entry = self._entries.setdefault((key, epoch), _Entry(opener))
         entry.opener = opener  # the newest policy's timeouts
         entry.used = self.clock()
         while entry.parked:
@@ -163,12 +168,13 @@ class Warm:
         self.missed += 1
         return None
 
-    def fill(self, key: Hashable) -> None:
-        """Open what `key` lacks of its warm set, if it took a connection since the last
-        `retire_all` (a login just succeeded: the target is there)."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._fill(key, entry)
+    def fill(self, key: Hashable, epoch: int) -> None:
+        """Open what `key` lacks of its warm set in `epoch`, if it took a connection in
+        that epoch and the vault has not changed state since (a login just succeeded:
+        the target is there)."""
+        entry = self._entries.get((key, epoch))
+        if entry is not None and epoch > self._stale:
+            self._fill((key, epoch), entry)
 
     def _fill(self, key: Hashable, entry: _Entry) -> None:
         entry.parked = [p for p in entry.parked if not p.gone]
@@ -218,8 +224,11 @@ class Warm:
 
     def retire_all(self) -> None:
         """The vault changed state (or the gateway stops): close every parked connection
-        and forget who used what, so none is opened until a command asks again."""
+        and forget who used what, so none is opened until a command asks again. Every
+        epoch a command has used so far is stale from now on: a command decided before
+        (it may still be on its way) parks nothing."""
         self._generation += 1
+        self._stale = max(self._stale, self._seen)
         for entry in self._entries.values():
             for opening in entry.parked:
                 with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ from bastion.core.policy import parse_policy_text
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.warm import Opening, Parked, Warm
 
-KEY = ("127.0.0.1", 22, "deploy", "ssh-ed25519 AAAA", 1)
+KEY = ("127.0.0.1", 22, "deploy", "ssh-ed25519 AAAA")
 
 
 class Timers:
@@ -65,14 +65,14 @@ def _run(test: Callable[[], Any]) -> None:
 def test_a_parked_connection_is_handed_out_once_and_one_is_parked_per_key() -> None:
     async def test() -> None:
         warm, opened, opener = _warm(Clock(), Timers())
-        assert warm.take(KEY, opener) is None  # nothing parked before the first command
-        warm.fill(KEY)
-        warm.fill(KEY)
+        assert warm.take(KEY, 1, opener) is None  # nothing parked before the first command
+        warm.fill(KEY, 1)
+        warm.fill(KEY, 1)
         assert len(opened) == 1 and warm.parked() == 1  # one per key, however often asked
-        assert warm.take(KEY, opener) is opened[0]
-        assert warm.take(KEY, opener) is None  # taken is gone from the set: never twice
+        assert warm.take(KEY, 1, opener) is opened[0]
+        assert warm.take(KEY, 1, opener) is None  # taken is gone from the set: never twice
         assert warm.stats() == {"parked": 0, "opened": 1, "rode": 1, "missed": 2}
-        warm.fill(("10.0.0.2", *KEY[1:]))  # a key that took nothing opens nothing
+        warm.fill(("10.0.0.2", *KEY[1:]), 1)  # a key that took nothing opens nothing
         assert len(opened) == 1
 
     _run(test)
@@ -82,16 +82,16 @@ def test_a_parked_connection_is_handed_out_once_and_one_is_parked_per_key() -> N
 def test_a_connection_that_is_gone_is_never_handed_out(how: str) -> None:
     async def test() -> None:
         warm, opened, opener = _warm(Clock(), Timers())
-        warm.take(KEY, opener)
-        warm.fill(KEY)
+        warm.take(KEY, 1, opener)
+        warm.fill(KEY, 1)
         if how == "failed":
             opened[0].task.set_exception(ConnectionResetError("dropped"))
         else:
             opened[0].client.connection_lost(None)
         assert warm.parked() == 0
-        assert warm.take(KEY, opener) is None
-        warm.fill(KEY)
-        assert len(opened) == 2 and warm.take(KEY, opener) is opened[1]  # the control
+        assert warm.take(KEY, 1, opener) is None
+        warm.fill(KEY, 1)
+        assert len(opened) == 2 and warm.take(KEY, 1, opener) is opened[1]  # the control
 
     _run(test)
 
@@ -100,15 +100,15 @@ def test_a_parked_connection_is_recycled_and_replaced_only_while_its_key_is_used
     async def test() -> None:
         clock, timers = Clock(), Timers()
         warm, opened, opener = _warm(clock, timers)
-        warm.take(KEY, opener)
-        warm.fill(KEY)
+        warm.take(KEY, 1, opener)
+        warm.fill(KEY, 1)
         clock.now += 30
         timers.fire()  # used 30 s ago: recycled, and replaced
         assert opened[0].task.cancelled() and len(opened) == 2 and warm.parked() == 1
         clock.now += 100
         timers.fire()  # used 130 s ago: closed, and none opened
         assert opened[1].task.cancelled() and len(opened) == 2 and warm.parked() == 0
-        warm.fill(KEY)  # the key was forgotten: only a command's take brings it back
+        warm.fill(KEY, 1)  # the key was forgotten: only a command's take brings it back
         assert len(opened) == 2
 
     _run(test)
@@ -118,16 +118,22 @@ def test_retire_all_closes_every_parked_connection_and_ends_its_timers() -> None
     async def test() -> None:
         timers = Timers()
         warm, opened, opener = _warm(Clock(), timers)
-        other = ("127.0.0.1", 22, "deploy", "ssh-ed25519 AAAA", 2)
+        other = ("10.0.0.2", *KEY[1:])
         for key in (KEY, other):
-            warm.take(key, opener)
-            warm.fill(key)
+            warm.take(key, 1, opener)
+            warm.fill(key, 1)
         assert warm.parked() == 2  # the control
-        warm.retire_all()
+        warm.retire_all()  # a lock: the vault is in epoch 2 now
         assert warm.parked() == 0 and all(o.task.cancelled() for o in opened)
         timers.fire()
-        warm.fill(KEY)  # a command decided before the lock ends: it parks none
+        # A command decided in epoch 1 and still on its way parks nothing, even if it
+        # takes (a CA that is not the vault's can still sign for it).
+        assert warm.take(KEY, 1, opener) is None
+        warm.fill(KEY, 1)
         assert len(opened) == 2 and warm.parked() == 0
+        warm.take(KEY, 3, opener)  # unlocked again: a command in the new epoch
+        warm.fill(KEY, 3)
+        assert len(opened) == 3 and warm.parked() == 1
 
     _run(test)
 
@@ -195,9 +201,9 @@ def _login(sent_before_drop: bool) -> tuple[list[Opening], object]:
             return opened[-1]
 
         dispatcher._open_parked = open_parked  # type: ignore[method-assign]
-        key = ("127.0.0.1", 22, "deploy", host.host_key, 1)
-        dispatcher.warm.take(key, open_parked)
-        dispatcher.warm.fill(key)
+        key = ("127.0.0.1", 22, "deploy", host.host_key)
+        dispatcher.warm.take(key, 1, open_parked)
+        dispatcher.warm.fill(key, 1)
         (parked,) = opened
 
         def drop(_: Any) -> None:
