@@ -2,10 +2,10 @@
 
 A certificate pins one command, so its connection cannot be pooled: it carries that one
 command and closes. But TCP, key exchange and the host-key check against the pin do not
-depend on the command. So after a certificate account's command takes a connection, one
-more is opened to the same (target, user) and *parked* at the auth step: asyncssh asks
-`Parked.public_key_auth_requested`, which waits until the next command's certificate
-exists. That command then only authenticates and opens its channel.
+depend on the command. So once a certificate account's command has logged in and run,
+the next connection to the same (target, user) is opened and *parked* at the auth step:
+asyncssh asks `Parked.public_key_auth_requested`, which waits until the next command's
+certificate exists. That command then only authenticates and opens its channel.
 
 What keeps this as strict as a fresh connection per command:
 - nothing authenticates before the certificate, and the certificate is made only after
@@ -15,7 +15,8 @@ What keeps this as strict as a fresh connection per command:
   step once: a second ask gets no key, so it can never log in twice;
 - the pin is checked in key exchange, before parking, as on a fresh connection, and is
   part of the warm set's key: another pin never finds it;
-- the warm set is per vault epoch and `retire_all` (a lock or unlock) closes it whole.
+- the warm set is per vault epoch and `retire_all` (a lock or unlock) closes it whole;
+  a command decided in an epoch before it (still on its way) parks nothing.
 
 Staying polite to the target: at most `per_key` (1) parked per (target, user, pin, epoch),
 well inside sshd's `MaxStartups` (10:30:100); each is closed after `recycle` seconds
