@@ -122,6 +122,7 @@ class Sshd:
         trusted_user_ca_keys: Sequence[str] = (),
         principals: Mapping[str, Sequence[str]] | None = None,
         allow_forwarding: bool = False,
+        login_grace_time: int | None = None,
     ) -> None:
         """`session_home`: sessions get an empty HOME of their own, so the target's shell
         reads none of the user's rc files -- on a machine whose ~/.bashrc starts pyenv,
@@ -132,7 +133,9 @@ class Sshd:
         trusted); `trust_user_cas` replaces them while sshd runs. `principals`: login user
         -> the certificate principals it accepts (AuthorizedPrincipalsFile); by default the
         current user accepts its own name. `allow_forwarding`: AllowTcpForwarding and
-        AllowStreamLocalForwarding yes, so only a certificate can refuse a forward."""
+        AllowStreamLocalForwarding yes, so only a certificate can refuse a forward.
+        `login_grace_time`: sshd's LoginGraceTime in seconds (default 120), so a test can
+        have the target drop a connection that did not authenticate in time."""
         self.run_dir = Path(run_dir)
         self.session_home = session_home
         self.sshd_path = sshd_path
@@ -143,6 +146,9 @@ class Sshd:
         self.trusted_ca_path = self.run_dir / "trusted_user_ca_keys"
         self.principals_dir = self.run_dir / "principals"
         self.allow_forwarding = allow_forwarding
+        if login_grace_time is not None and login_grace_time <= 0:
+            raise SshdError(f"login_grace_time must be > 0 (0 is no limit), got {login_grace_time}")
+        self.login_grace_time = login_grace_time
         self.pid_file = self.run_dir / "sshd.pid"
         self.log_path = self.run_dir / "sshd.log"
         self.fixture_id = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -377,6 +383,8 @@ class Sshd:
             home = self.run_dir / "session-home"
             home.mkdir(mode=0o700, exist_ok=True)
             text = text.replace(tag, f'{tag} "HOME={home}"')  # quoted: a path may hold spaces
+        if self.login_grace_time is not None:  # the template leaves it at sshd's default
+            text += f"\nLoginGraceTime {int(self.login_grace_time)}\n"
         self.config_path.write_text(text, encoding="utf-8")
 
     def _launch_and_wait(self, port: int, deadline: float) -> tuple[str, str]:

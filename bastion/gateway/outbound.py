@@ -19,11 +19,13 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import asyncssh
 
 from bastion.ca.vault_ca import Issued
+from bastion.core.contract import Refusal
 from bastion.core.defaults import KEEPALIVE_COUNT_MAX, KEEPALIVE_INTERVAL
 from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, Result
@@ -32,6 +34,7 @@ from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.core.terminal import Terminal, modes_of
 from bastion.gateway.pool import Connect, Pool
 from bastion.gateway.stdin import CHANNEL_REQUESTS, Fed
+from bastion.gateway.warm import Opening, Parked, Warm
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
@@ -127,11 +130,13 @@ class Dispatcher:
         keepalive_interval: float = KEEPALIVE_INTERVAL,
         keepalive_count_max: int = KEEPALIVE_COUNT_MAX,
         pool: Pool | None = None,
+        warm: Warm | None = None,
     ) -> None:
         self._private_key = private_key
         self.keepalive_interval = keepalive_interval
         self.keepalive_count_max = keepalive_count_max
         self.pool = pool or Pool()
+        self.warm = warm or Warm()
 
     def _vault_key(self, host: Host, account: Account) -> asyncssh.SSHKey:
         try:
@@ -147,61 +152,104 @@ class Dispatcher:
                 why=exc,
             ) from exc
 
-    async def _connect(
-        self, host: Host, account: Account, issued: Issued | None = None
-    ) -> asyncssh.SSHClientConnection:
-        """Log in with the account's vault key, or with `issued`: a fresh key and the
-        certificate that lets it run one command."""
-        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
-        offered: dict[str, object]  # what the target may refuse, in the refusal's words
-        if issued is None:
-            login: object = self._vault_key(host, account)
-            refused, offered = Fact.KEY_REFUSED, {"credential": account.credential}
-        else:
-            login = (issued.key, issued.certificate)
-            refused = Fact.CERTIFICATE_REFUSED
-            offered = {"key_id": issued.key_id, "serial": issued.serial}
+    async def _connect(self, host: Host, account: Account) -> asyncssh.SSHClientConnection:
+        """Log in with the account's vault key (a pooled connection)."""
         client = _Tracked()
         try:
-            conn = await asyncio.wait_for(
+            return await asyncio.wait_for(
                 asyncssh.connect(
                     host.address,
                     host.port,
-                    username=account.user,
+                    **self._options(host, account),
                     client_factory=lambda: client,
-                    known_hosts=([pinned], [], []),
-                    client_keys=[login],
-                    agent_path=None,
-                    agent_forwarding=False,
-                    x11_forwarding=False,
-                    password=None,
-                    kbdint_auth=False,
-                    gss_auth=False,
-                    host_based_auth=False,
-                    preferred_auth="publickey",
-                    config=None,
-                    # AES-GCM first (one AEAD call per packet); chacha20 only if the
-                    # target offers nothing else. No compression.
-                    encryption_algs=OUTBOUND_CIPHERS,
-                    compression_algs=["none"],
-                    keepalive_interval=self.keepalive_interval,
-                    keepalive_count_max=self.keepalive_count_max,
+                    client_keys=[self._vault_key(host, account)],
                     connect_timeout=host.connect_timeout,
                 ),
                 host.connect_timeout + 1,
             )
-        except asyncssh.HostKeyNotVerifiable as exc:
-            raise refusal(
-                Fact.HOST_KEY_CHANGED, host=host.alias, address=host.address, port=host.port
-            ) from exc
-        except asyncssh.PermissionDenied as exc:
-            raise refusal(refused, host=host.alias, user=account.user, **offered) from exc
         except (OSError, TimeoutError, asyncssh.Error) as exc:
-            reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
-            raise refusal(
-                Fact.NETWORK, host=host.alias, address=host.address, port=host.port, why=reason
-            ) from exc
+            offered = {"credential": account.credential}
+            raise _failed(exc, host, account, Fact.KEY_REFUSED, offered) from exc
+
+    def _options(self, host: Host, account: Account) -> dict[str, Any]:
+        """asyncssh's options for every outbound connection: the pinned host key only,
+        public keys only, nothing forwarded, no ssh config."""
+        pinned = asyncssh.import_public_key(host.host_key)  # validated when the policy loaded
+        return {
+            "username": account.user,
+            "known_hosts": ([pinned], [], []),
+            "agent_path": None,
+            "agent_forwarding": False,
+            "x11_forwarding": False,
+            "password": None,
+            "kbdint_auth": False,
+            "gss_auth": False,
+            "host_based_auth": False,
+            "preferred_auth": "publickey",
+            "config": None,
+            # AES-GCM first (one AEAD call per packet); chacha20 only if the
+            # target offers nothing else. No compression.
+            "encryption_algs": OUTBOUND_CIPHERS,
+            "compression_algs": ["none"],
+            "keepalive_interval": self.keepalive_interval,
+            "keepalive_count_max": self.keepalive_count_max,
+        }
+
+    def _open_parked(self, host: Host, account: Account) -> Opening:
+        """Start a connection that exchanges keys, checks the pin, and stops at the auth
+        step until it is given a certificate (`gateway/warm.py`). asyncssh's
+        `connect_timeout` would bound the whole login, parked time included, so it is
+        off: key exchange is bounded by `_parked_within`, the login by `_login`. Its
+        `login_timeout` (from the TCP connect) closes one left parked past the warm
+        set's recycling, before the target's LoginGraceTime would."""
+        client = Parked()
+        task = asyncio.ensure_future(
+            asyncssh.connect(
+                host.address,
+                host.port,
+                **self._options(host, account),
+                client_factory=lambda: client,
+                client_keys=None,  # none loaded: asyncssh asks the client for one
+                connect_timeout=None,
+                login_timeout=self.warm.recycle + 2 * host.connect_timeout,
+            )
+        )
+        opening = Opening(client, task)
+        opening.watch = asyncio.ensure_future(_parked_within(opening, host.connect_timeout))
+        return opening
+
+    async def _login(
+        self, host: Host, account: Account, vault_epoch: int, issued: Issued
+    ) -> asyncssh.SSHClientConnection:
+        """A connection logged in with `issued`: the warm one parked for this target if
+        it is still there, else one of its own (as before the warm set). A warm one
+        found gone before the certificate left is replaced; after, it is a failure to
+        connect, as on a fresh connection (the certificate may have been seen)."""
+        opener = partial(self._open_parked, host, account)
+        warm = self.warm.take(_warm_key(host, account), vault_epoch, opener)
+        conn = None
+        if warm is not None:
+            try:
+                conn = await self._given(warm, host, account, issued)
+            except Refusal:
+                if warm.client.sent:
+                    raise
+        if conn is None:
+            conn = await self._given(opener(), host, account, issued)
         return conn
+
+    async def _given(
+        self, opening: Opening, host: Host, account: Account, issued: Issued
+    ) -> asyncssh.SSHClientConnection:
+        opening.client.give((issued.key, issued.certificate))
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening.task), host.connect_timeout)
+        except BaseException as exc:
+            opening.close()
+            if not isinstance(exc, (OSError, TimeoutError, asyncssh.Error)):
+                raise
+            offered = {"key_id": issued.key_id, "serial": issued.serial}
+            raise _failed(exc, host, account, Fact.CERTIFICATE_REFUSED, offered) from exc
 
     def held(self) -> int:
         """Connections that still hold the key they authenticated with."""
@@ -210,11 +258,14 @@ class Dispatcher:
     def close_all(self) -> None:
         """Drop every outbound connection (gateway stopping)."""
         self.pool.close_all()
+        self.warm.retire_all()
 
     def retire_all(self) -> None:
         """The vault changed state: no pooled connection is reused. Idle ones
-        close now; busy ones finish the command they were decided for."""
+        close now; busy ones finish the command they were decided for. Every warm
+        connection closes now (none carries a command yet)."""
         self.pool.retire_all()
+        self.warm.retire_all()
 
     async def run(
         self,
@@ -245,7 +296,17 @@ class Dispatcher:
         prepared = prepare or _nothing
         if certify is not None:
             return await self._run_certified(
-                host, account, command, agent, intent, on_exec, abandon, certify, prepared, terminal
+                host,
+                account,
+                vault_epoch,
+                command,
+                agent,
+                intent,
+                on_exec,
+                abandon,
+                certify,
+                prepared,
+                terminal,
             )
         key, connect = self._pooled(host, account, vault_epoch)
 
@@ -313,6 +374,7 @@ class Dispatcher:
         self,
         host: Host,
         account: Account,
+        vault_epoch: int,
         command: bytes,
         agent: Streams,
         intent: Callable[[], None],
@@ -323,8 +385,9 @@ class Dispatcher:
         terminal: Terminal | None,
     ) -> Result:
         """No pool: the certificate pins one command, so its connection carries only
-        that one, and the key and certificate are dropped with it."""
-        conn = await self._connect(host, account, await certify())
+        that one, and the key and certificate are dropped with it. The connection may be
+        a warm one, opened (key exchange and pin done) before this command was asked."""
+        conn = await self._login(host, account, vault_epoch, await certify())
         try:
             await prepare()
             return await self._exec(host, conn, command, agent, intent, on_exec, abandon, terminal)
@@ -332,6 +395,9 @@ class Dispatcher:
             raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=str(exc)) from exc
         finally:
             conn.close()
+            # The target let this one in: park the next command's connection now (after
+            # this command, so its key exchange does not compete with this one's run).
+            self.warm.fill(_warm_key(host, account), vault_epoch)
 
     async def _exec(
         self,
@@ -429,6 +495,37 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
     if proc.exit_status is not None:  # None: the channel closed without one
         return Result(Outcome.COMPLETED, exit_status=proc.exit_status)
     return lost(host.alias, "the connection to the target ended before it reported an exit status")
+
+
+def _warm_key(host: Host, account: Account) -> tuple[str, int, str, str]:
+    """What a parked connection is for (in one vault epoch): a target, the user it asked
+    to log in as, and the pin its key exchange checked."""
+    return (host.address, host.port, account.user, host.host_key)
+
+
+def _failed(
+    exc: BaseException, host: Host, account: Account, refused: Fact, offered: dict[str, object]
+) -> Refusal:
+    """The refusal for a connection that did not log in: the pin did not match, the
+    target refused the login (`refused`, with what was `offered`), or the network."""
+    if isinstance(exc, asyncssh.HostKeyNotVerifiable):
+        return refusal(Fact.HOST_KEY_CHANGED, host=host.alias, address=host.address, port=host.port)
+    if isinstance(exc, asyncssh.PermissionDenied):
+        return refusal(refused, host=host.alias, user=account.user, **offered)
+    reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or "timed out"
+    return refusal(Fact.NETWORK, host=host.alias, address=host.address, port=host.port, why=reason)
+
+
+async def _parked_within(opening: Opening, timeout: float) -> None:
+    """A connection that has not reached the auth step within `timeout` (the host's
+    connect timeout) is closed; one given its login meanwhile is `_given`'s to bound."""
+    parked = asyncio.ensure_future(opening.client.parked.wait())
+    try:
+        await asyncio.wait({parked, opening.task}, timeout=timeout)
+    finally:
+        parked.cancel()
+    if not (opening.client.parked.is_set() or opening.client.given or opening.task.done()):
+        opening.close()
 
 
 def _terminal_args(terminal: Terminal | None) -> dict[str, Any]:

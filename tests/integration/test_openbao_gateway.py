@@ -312,6 +312,10 @@ def test_only_openbao_certificates_log_in_and_they_permit_nothing(
     assert granted.returncode == 0 and granted.stdout.startswith("/dev/pts/"), granted.stderr
 
 
+def _after_last_login(log: str) -> str:
+    return log[log.rindex("Accepted publickey") :]
+
+
 # -- OpenBao stops mid-run ----------------------------------------------------------------------
 
 
@@ -321,6 +325,9 @@ def test_openbao_stopping_mid_run_is_internal_and_nothing_is_sent(team: Team) ->
     rid = agent.start("echo before")
     b.approve_next()
     assert agent.wait(rid).stdout == b"before\n"
+    # The next command's connection is opened and parked at the auth step once this one
+    # ran (gateway/warm.py): count what reaches the target after it arrived.
+    wait_for(lambda: "Connection from" in _after_last_login(team.target.log_text()))
     team.bao.stop()
     sshd_before = len(team.target.log_text())
 
