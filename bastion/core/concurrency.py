@@ -9,17 +9,23 @@ commands at once differs per target and per hour, so the gateway learns it per
 (host, account), as TCP's congestion control and Netflix's concurrency-limits
 learn theirs: from how long commands take.
 
-The signal is a command's time at the target (from its slot to its exit). The
-controller keeps a `baseline` (the lowest window median seen, aging slowly
-upward so a target that became slower for good is learned again) and compares
-each window's median with it:
+The signal is a command's time at the target (from its slot to its exit), and how
+many of the target's commands were in flight as it started. The `baseline` is
+the median time of the latest commands that started with at most `FLOOR` in
+flight -- what a command takes when the target is not busy with bastion's other
+commands. Each window's median is compared with it:
 
 - above `tolerance` times the baseline, the target is queueing work: the limit
-  shrinks in proportion (at most by half a window), never below `floor`;
-- near the baseline while the limit held commands back, the target has room:
-  the limit grows (by its square root, so a quick target is found in a few
-  windows), never above the `ceiling` (`[limits] inflight`);
+  shrinks in proportion (at most by half a window), never below `FLOOR`;
+- under `GROW_BELOW` times the baseline while the limit held commands back, the
+  target has room: the limit grows (by its square root, so a quick target is
+  found in a few windows), never above the `ceiling` (`[limits] inflight`);
 - in between, or while the limit held nothing back, it stays.
+
+A baseline goes stale (the target may have become faster or slower for good):
+after `PROBE_EVERY` windows without a command at `FLOOR`, one window runs at
+`FLOOR` to measure it again (as TCP BBR probes its round-trip time), then the
+limit comes back.
 
 Medians, not means: a few long commands among short ones do not move it. A
 command still running after `graduation` (a few baselines) has shown it is not
@@ -35,13 +41,13 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-START = 8  # commands at once to a target nothing is known of yet
-FLOOR = 2  # never fewer: one slow command must not serialise a target
+START = FLOOR = 2  # commands at once to a target nothing is known of yet; never fewer
 TOLERANCE = 2.0  # window median over baseline that counts as the target queueing work
 GROW_BELOW = 1.5  # window median over baseline under which a held-back limit grows
 WINDOW = 8  # samples per decision
 BACKOFF = 0.5  # the most a limit shrinks in one window (a factor)
-DRIFT = 1.02  # the baseline ages upward by this factor per window
+PROBE_EVERY = 32  # windows a baseline lasts without a window mostly at FLOOR
+PROBE_GIVES_UP = 8  # windows a probe waits for the target's commands to drain
 GRADUATION_MIN = 1.0  # seconds: a command running longer leaves its slot ...
 GRADUATION_BASELINES = 4.0  # ... or this many baselines, whichever is longer
 
@@ -51,9 +57,13 @@ class Estimate:
     """What is known of one target: its limit, baseline, and the window so far."""
 
     limit: int = START
-    baseline: float | None = None  # seconds; None until a first window
+    baseline: float | None = None  # seconds; None until a command ran at FLOOR
     window: tuple[float, ...] = ()
+    window_quiet: int = 0  # of the window, commands that started at FLOOR
+    quiet: tuple[float, ...] = ()  # the latest times of commands that started at FLOOR
     held_back: bool = False  # a command waited for this limit during the window
+    stale: int = 0  # windows since one had commands at FLOOR
+    probing: int | None = None  # the limit to come back to after a probe
     windows: int = 0  # decisions made, since start
 
     @property
@@ -69,20 +79,42 @@ def held_back(est: Estimate) -> Estimate:
     return est if est.held_back else replace(est, held_back=True)
 
 
-def observe(est: Estimate, seconds: float, ceiling: int | None) -> Estimate:
-    """One command's time at the target; at a full window, the limit is decided anew."""
-    window = (*est.window, max(seconds, 1e-6))
-    if len(window) < WINDOW:
-        return replace(est, window=window)
-    short = statistics.median(window)
-    baseline = short if est.baseline is None else min(short, est.baseline * DRIFT)
-    ratio = short / baseline
-    limit = est.limit
-    if ratio > TOLERANCE:
-        limit = math.floor(limit * max(BACKOFF, TOLERANCE / ratio))
-    elif ratio < GROW_BELOW and est.held_back:
-        limit += max(1, math.isqrt(limit))
-    return Estimate(bounded(limit, ceiling), baseline, (), False, est.windows + 1)
+def observe(est: Estimate, seconds: float, started_with: int, ceiling: int | None) -> Estimate:
+    """One command's time at the target, and how many were in flight as it started
+    (itself included); at a full window, the limit is decided anew."""
+    seconds = max(seconds, 1e-6)
+    est = replace(est, window=(*est.window, seconds))
+    if started_with <= FLOOR:
+        quiet = (*est.quiet, seconds)[-WINDOW:]
+        est = replace(
+            est, quiet=quiet, baseline=statistics.median(quiet), window_quiet=est.window_quiet + 1
+        )
+    if len(est.window) < WINDOW:
+        return est
+    limit, probing = est.limit, est.probing
+    measured = est.window_quiet >= WINDOW // 2
+    stale = 0 if measured else est.stale + 1
+    if probing is not None:
+        if measured or stale > PROBE_GIVES_UP:  # measured again, or never quiet: give up
+            limit, probing = probing, None
+    elif est.baseline is not None:
+        ratio = statistics.median(est.window) / est.baseline
+        if ratio > TOLERANCE:
+            limit = math.floor(limit * max(BACKOFF, TOLERANCE / ratio))
+        elif ratio < GROW_BELOW and est.held_back:
+            limit += max(1, math.isqrt(limit))
+        if stale >= PROBE_EVERY and bounded(limit, ceiling) > FLOOR:
+            limit, probing, stale = FLOOR, bounded(limit, ceiling), 0
+    return replace(
+        est,
+        limit=bounded(limit, ceiling),
+        window=(),
+        window_quiet=0,
+        held_back=False,
+        stale=stale,
+        probing=probing,
+        windows=est.windows + 1,
+    )
 
 
 def bounded(limit: int, ceiling: int | None) -> int:

@@ -165,8 +165,8 @@ class Lane:
         self.estimate = Estimate(limit=bounded(Estimate().limit, ceiling))
         self.slots = Slots(self.estimate.limit)
 
-    def learn(self, seconds: float, ceiling: int | None) -> None:
-        self.estimate = observe(self.estimate, seconds, ceiling)
+    def learn(self, seconds: float, started_with: int, ceiling: int | None) -> None:
+        self.estimate = observe(self.estimate, seconds, started_with, ceiling)
         self.slots.limit = self.estimate.limit
         self.slots.fill()
 
@@ -250,7 +250,7 @@ class Admission:
             lane.slots.give()
 
         timer = loop.call_later(lane.estimate.graduation, graduate) if lane else None
-        started = self.clock()
+        started, started_with = self.clock(), lane.slots.inflight if lane else 0
         ended = False
         try:
             yield
@@ -261,7 +261,7 @@ class Admission:
                 timer.cancel()
                 lane.slots.give()
                 if ended:
-                    lane.learn(self.clock() - started, self.ceiling.limit)
+                    lane.learn(self.clock() - started, started_with, self.ceiling.limit)
 
     def _refused(self, lane: Lane | None) -> NoSlot:
         self.refused += 1
