@@ -32,6 +32,7 @@ from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.core.terminal import Terminal, modes_of
 from bastion.gateway.pool import Connect, Pool
 from bastion.gateway.stdin import CHANNEL_REQUESTS, Fed
+from bastion.gateway.window import hold
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
@@ -382,6 +383,7 @@ class Dispatcher:
 
 
 async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Streams) -> Result:
+    hold(proc.channel)  # a slow agent holds the target back, not the gateway's memory
     agent_gone = asyncio.Event()
 
     async def to_agent(
