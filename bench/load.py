@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -42,9 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bastion.devtools.sshd_fixture import Sshd  # noqa: E402
-from tests.harness import Agent, Bastion, make_bastion  # noqa: E402
+from tests.harness import Agent, Bastion, cli_argv, make_bastion  # noqa: E402
 
 COMMAND = "true"
+# Not /tmp: a `bastion run` sandbox has a /tmp of its own, where the agents' ssh config
+# (in the rig's directory) would not be.
+TMP = os.environ.get("BASTION_BENCH_TMP", "/var/tmp")
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -105,6 +109,7 @@ class Rig:
         clean_home: bool = True,
         bastion_toml: str | None = None,
         agent_env: dict[str, str] | None = None,
+        in_run: bool = False,
     ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -116,6 +121,7 @@ class Rig:
         self.bastion: Bastion | None = None
         self.bastion_toml = bastion_toml
         self.agent_env = agent_env or {}
+        self.in_run = in_run
 
     def __enter__(self) -> Rig:
         info = self.sshd.start()
@@ -141,14 +147,27 @@ class Rig:
         assert self.bastion is not None
         return self.bastion.gateway_pid
 
-    def approved_agents(self, n: int, batch: int = 16) -> list[Agent]:
+    def new_agent(self, plain: bool = False) -> Agent:
+        """An agent process; with `in_run`, inside a `bastion run --` of its own (each
+        run its own sandbox and subject, as an agent started under `bastion run`)."""
+        b = self.bastion
+        assert b is not None
+        if plain:
+            return b.agent()
+        if not self.in_run:
+            return b.agent(**self.agent_env)
+        agent = Agent(b.config, self.agent_env, launcher=(*cli_argv(b.home.root, "run", "--"),))
+        b.agents.append(agent)
+        return agent
+
+    def approved_agents(self, n: int, batch: int = 16, plain: bool = False) -> list[Agent]:
         """n agent processes, each with its session card approved (in batches: one uid
         may have only MAX_PENDING_CARDS_PER_TENANT cards waiting)."""
         b = self.bastion
         assert b is not None
         agents: list[Agent] = []
         while len(agents) < n:
-            group = [b.agent(**self.agent_env) for _ in range(min(batch, n - len(agents)))]
+            group = [self.new_agent(plain) for _ in range(min(batch, n - len(agents)))]
             rids = [a.start(COMMAND) for a in group]
             answered = 0
             deadline = time.monotonic() + 120
@@ -176,19 +195,78 @@ class Setup:
     target_rc: bool = False
     inflight: int | None = None
     agent_shell: str = "/bin/sh"
+    # The agents work as if inside an ssh login (SHLVL 0, SSH_CLIENT/SSH_CONNECTION set:
+    # bash then reads ~/.bashrc for every ProxyCommand) and run under `bastion run --`.
+    ssh_login: bool = False
 
     def rig(self, root: Path) -> Rig:
         toml = None if self.inflight is None else f"[limits]\ninflight = {self.inflight}\n"
         env = {"SHELL": self.agent_shell}
-        return Rig(root, clean_home=not self.target_rc, bastion_toml=toml, agent_env=env)
+        if self.ssh_login:
+            env |= {
+                "SHLVL": "0",  # as unset: bash counts itself the first shell
+                "SSH_CLIENT": "192.0.2.1 50000 22",
+                "SSH_CONNECTION": "192.0.2.1 50000 192.0.2.2 22",
+            }
+        return Rig(
+            root,
+            clean_home=not self.target_rc,
+            bastion_toml=toml,
+            agent_env=env,
+            in_run=self.ssh_login,
+        )
+
+    @property
+    def name(self) -> str:
+        target = "rc-reading target" if self.target_rc else "quick target"
+        shell = "bash agents in bastion run" if self.ssh_login else f"{self.agent_shell} agents"
+        return f"{target}, {shell}"
 
     def describe(self) -> dict[str, Any]:
         return {
+            "name": self.name,
             "target_rc": self.target_rc,
             "inflight": self.inflight,
             "agent_shell": self.agent_shell,
-            "agent_shlvl": os.environ.get("SHLVL"),
+            "agent_shlvl": "0" if self.ssh_login else os.environ.get("SHLVL"),
+            "ssh_login": self.ssh_login,
         }
+
+
+def stream(rig: Rig, mb: int) -> dict[str, Any]:
+    """One approved agent (plain: its shell does not matter here) streams `mb` MB from
+    the target (`cat` of a random file) and the same to it (`sha256sum` of its stdin),
+    both checked by length and sha256; the gateway's RSS before and after."""
+    (agent,) = rig.approved_agents(1, plain=True)
+    blob = rig.root / "stream.bin"
+    digest = hashlib.sha256()
+    with blob.open("wb") as f:
+        for _ in range(mb):
+            block = os.urandom(1 << 20)
+            digest.update(block)
+            f.write(block)
+    sha, size = digest.hexdigest(), mb << 20
+    pid = rig.gateway_pid
+    before = proc_status(pid)["VmRSS"] / 1024
+    t0 = time.perf_counter()
+    down = agent.run(f"cat {blob}")
+    t_down = time.perf_counter() - t0
+    after_down = proc_status(pid)["VmRSS"] / 1024
+    t0 = time.perf_counter()
+    up = agent.run("sha256sum", stdin_path=blob)
+    t_up = time.perf_counter() - t0
+    after = proc_status(pid)["VmRSS"] / 1024
+    agent.close()
+    blob.unlink()
+    ok_down = down.rc == 0 and (down.stdout_len, down.stdout_sha256) == (size, sha)
+    ok_up = up.rc == 0 and up.stdout.split()[:1] == [sha.encode()]
+    return {
+        "mb": mb,
+        "ok": ok_down and ok_up,
+        "errors": [r.stderr.strip()[-200:] for r, ok in ((down, ok_down), (up, ok_up)) if not ok],
+        "mb_per_s": {"down": mb / t_down, "up": mb / t_up},
+        "rss_mb": {"before": before, "after_down": after_down, "after": after},
+    }
 
 
 def one_round(agents: list[Agent], commands: int, argv: list[str] | None) -> dict[str, Any]:
@@ -222,6 +300,7 @@ def concurrency(
     rounds: int,
     profile: Path | None,
     setup: Setup,
+    stream_mb: int = 0,
 ) -> dict[str, Any]:
     with setup.rig(root) as rig:
         agents = rig.approved_agents(n_agents)
@@ -230,6 +309,7 @@ def concurrency(
         base = proc_status(rig.gateway_pid)
         base["fds"] = settled_fds(rig.gateway_pid)  # the warm-up's connections closed
         reset_peak(rig.gateway_pid)  # the peak so far is the unlock's Argon2id (512 MiB)
+        streamed = stream(rig, stream_mb) if stream_mb else None
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "bastion": []}
         spy = None
         rss_by_round: list[float] = []
@@ -252,6 +332,8 @@ def concurrency(
         for a in agents:
             a.close()
         settled = settled_fds(rig.gateway_pid)
+        time.sleep(2)  # the gateway hands memory back once quiet (gateway/trim.py)
+        rss_after_run = proc_status(rig.gateway_pid)["VmRSS"] / 1024
         # Every request the gateway saw has exactly one ending in the journal.
         assert rig.bastion is not None
         rows = json.loads(rig.bastion.cli("audit", "activity", "--json").stdout)
@@ -272,7 +354,10 @@ def concurrency(
     out["ratio_p95"] = out["bastion"]["p95_ms"] / out["direct"]["p95_ms"]
     out["gateway"] = {"peak_rss_mb": end["VmHWM"] / 1024, "rss_mb": end["VmRSS"] / 1024,
                       "fds_before": base["fds"], "fds_after": end["fds"],
-                      "fds_settled": settled, "rss_mb_by_round": rss_by_round}  # fmt: skip
+                      "fds_settled": settled, "rss_mb_by_round": rss_by_round,
+                      "rss_mb_start": base["VmRSS"] / 1024,
+                      "rss_mb_after_run": rss_after_run}  # fmt: skip
+    out["stream"] = streamed
     return out
 
 
@@ -335,6 +420,8 @@ def report(r: dict[str, Any]) -> str:
             + f"; in-flight limit {r['load'].get('limit')}, busy refusals "
             f"{r['load'].get('busy_refused')}"
         )
+    if r.get("stream"):
+        lines.append("  " + stream_line(r["stream"], r["gateway"]))
     if "soak" in r:
         s = r["soak"]
         lines.append(
@@ -344,6 +431,68 @@ def report(r: dict[str, Any]) -> str:
             f"{s['fds']['baseline']} -> {s['fds']['end']}"
         )
     return "\n".join(lines)
+
+
+def stream_line(st: dict[str, Any], g: dict[str, Any]) -> str:
+    rss = st["rss_mb"]
+    ok = "ok" if st["ok"] else "FAILED: " + "; ".join(st["errors"])
+    return (
+        f"stream {st['mb']} MB each way ({ok}"
+        f", {st['mb_per_s']['down']:.0f}/{st['mb_per_s']['up']:.0f} MB/s down/up): gateway RSS "
+        f"{rss['before']:.0f} MB before, {rss['after_down']:.0f} after the download, "
+        f"{rss['after']:.0f} after both; peak over stream + rounds {g['peak_rss_mb']:.0f} MB; "
+        f"after the run {g['rss_mb_after_run']:.0f} MB "
+        f"({g['rss_mb_after_run'] / rss['before'] - 1:+.0%} of before the stream)"
+    )
+
+
+def matrix_report(results: list[dict[str, Any]]) -> str:
+    """Every setup side by side: one row each."""
+    head = (
+        f"{'setup':44} {'agents':>9} {'direct/s':>8} {'bastion/s':>9} {'ratio':>5} "
+        f"{'p95 d ms':>8} {'p95 b ms':>8} {'ratio':>5} {'err d/b':>7} "
+        f"{'RSS start/peak/after MB':>23}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        d, b, g = r["direct"], r["bastion"], r["gateway"]
+        start = r["stream"]["rss_mb"]["before"] if r.get("stream") else g["rss_mb_start"]
+        lines.append(
+            f"{r['setup']['name']:44} {r['agents']:>4}x{r['commands']:<4} "
+            f"{d['commands_per_s']:8.1f} {b['commands_per_s']:9.1f} {r['ratio_throughput']:5.2f} "
+            f"{d['p95_ms']:8.0f} {b['p95_ms']:8.0f} {r['ratio_p95']:5.2f} "
+            f"{d['errors']:>3}/{b['errors']:<3} "
+            f"{start:7.0f}/{g['peak_rss_mb']:5.0f}/{g['rss_mb_after_run']:5.0f}"
+        )
+    for r in results:
+        if r.get("stream"):
+            lines.append(f"{r['setup']['name']}: " + stream_line(r["stream"], r["gateway"]))
+        errs = r["direct"]["error_lines"] + r["bastion"]["error_lines"]
+        if errs:
+            lines.append(f"{r['setup']['name']}: errors: " + "; ".join(errs))
+    return "\n".join(lines)
+
+
+def run_matrix(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Target kind (quick, rc-reading) x agents (/bin/sh; bash inside an ssh login,
+    under `bastion run`), each with the stream first; then 256 x 5 against the quick
+    target with --big."""
+    setups = [
+        Setup(target_rc=rc, inflight=args.inflight, agent_shell=shell, ssh_login=login)
+        for rc in (False, True)
+        for shell, login in (("/bin/sh", False), ("/bin/bash", True))
+    ]
+    sizes = [(s, args.agents, args.commands) for s in setups]
+    if args.big:
+        sizes.append((Setup(inflight=args.inflight), 256, 5))
+    results = []
+    for i, (setup, agents, commands) in enumerate(sizes):
+        print(f"[{time.strftime('%H:%M:%S')}] {setup.name}, {agents} x {commands} ...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        r = concurrency(tmp / f"m{i}", agents, commands, args.rounds, None, setup, args.stream_mb)
+        r["setup"] = setup.describe()
+        results.append(r)
+    return results
 
 
 def main() -> None:
@@ -366,11 +515,38 @@ def main() -> None:
         help="SHELL for the agents' ssh, which runs the ProxyCommand with it (/bin/bash with "
         "SHLVL=0 reads ~/.bashrc first)",
     )
+    ap.add_argument(
+        "--ssh-login",
+        action="store_true",
+        help="agents as if inside an ssh login (SHLVL 0, SSH_CLIENT set), under bastion run",
+    )
+    ap.add_argument(
+        "--stream-mb",
+        type=int,
+        help="first stream N MB each way through one agent (default: 0; 200 with --matrix)",
+    )
+    ap.add_argument(
+        "--matrix",
+        action="store_true",
+        help="every target kind x agent shell, side by side, one table",
+    )
+    ap.add_argument("--big", action="store_true", help="with --matrix: also 256 x 5, quick")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    setup = Setup(args.target_rc, args.inflight, args.agent_shell)
+    if args.stream_mb is None:
+        args.stream_mb = 200 if args.matrix else 0
+    if args.matrix:
+        with tempfile.TemporaryDirectory(prefix="bastion-load-", dir=TMP) as tmp:
+            results = run_matrix(args, Path(tmp))
+        load_avg = Path("/proc/loadavg").read_text().strip()
+        if args.json:
+            print(json.dumps({"matrix": results, "loadavg_end": load_avg}, indent=2))
+        else:
+            print(matrix_report(results) + f"\nload average at the end: {load_avg}")
+        return
+    setup = Setup(args.target_rc, args.inflight, args.agent_shell, args.ssh_login)
     out: dict[str, Any] = {"setup": setup.describe()}
-    with tempfile.TemporaryDirectory(prefix="bastion-load-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bastion-load-", dir=TMP) as tmp:
         if not args.no_concurrency:
             out.update(
                 concurrency(
@@ -380,6 +556,7 @@ def main() -> None:
                     args.rounds,
                     args.profile,
                     setup,
+                    args.stream_mb,
                 )
             )
         if args.soak:

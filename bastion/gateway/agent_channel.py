@@ -15,6 +15,7 @@ from asyncssh.packet import SSHPacket
 
 from bastion.core.refusals import Fact, refusal
 from bastion.core.terminal import Terminal, terminal_problem
+from bastion.gateway.window import deliver_held
 
 
 def forwarding_refused(what: str) -> asyncssh.ChannelOpenError:
@@ -46,8 +47,11 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
     `eow@openssh.com`, any other name), and X11 and agent requests are refused by
     the connection's options. A PTY request is noted as the `Terminal` it asks
     for, and the gate decides on the exec it comes with (`_process_pty_req_request`).
+    Its window opens only for bytes passed on (`window.deliver_held`): an agent that
+    streams stdin faster than the target takes it is held back, not buffered.
     """
 
+    _deliver_data = deliver_held
     exact_command: bytes | None = None
     terminal: Terminal | None = None
     # Carries a window-change to the command's terminal on the target, once it runs.

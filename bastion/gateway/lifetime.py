@@ -62,6 +62,7 @@ from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.senders import own_connection
 from bastion.gateway.tenants import Tenants
+from bastion.gateway.trim import TRIMMER
 from bastion.home import Home
 from bastion.identity import (
     DEFAULT_TERMINAL_HOSTS,
@@ -428,6 +429,7 @@ class Gateway:
             self.tenants,
         )
         accept_task = asyncio.create_task(listener.serve())
+        trim_task = asyncio.create_task(TRIMMER.idle())  # memory back after a burst
         policy = self.service.policy.current()
         log.info(
             "gateway started: boot %s, vault locked (epoch %d), policy %s, isolation %s",
@@ -449,6 +451,7 @@ class Gateway:
             systemd.stopping()
             log.info("gateway stopping")
             accept_task.cancel()
+            trim_task.cancel()
             await listener.close()
             doors.close()
             op_server.close()

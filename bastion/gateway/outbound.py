@@ -34,7 +34,9 @@ from bastion.core.refusals import Fact, lost, refusal, rejected
 from bastion.core.terminal import Terminal, modes_of
 from bastion.gateway.pool import Connect, Pool
 from bastion.gateway.stdin import CHANNEL_REQUESTS, Fed
+from bastion.gateway.trim import TRIMMER
 from bastion.gateway.warm import Opening, Parked, Warm
+from bastion.gateway.window import hold
 from bastion.vault import VaultError, VaultLocked
 
 log = logging.getLogger("bastion.outbound")
@@ -448,6 +450,7 @@ class Dispatcher:
 
 
 async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Streams) -> Result:
+    hold(proc.channel)  # a slow agent holds the target back, not the gateway's memory
     agent_gone = asyncio.Event()
 
     async def to_agent(
@@ -456,6 +459,7 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
         # Drain the target even when the agent has left: the real outcome
         # still has to be observed and recorded.
         while data := await reader.read(CHUNK):
+            TRIMMER.relayed(len(data))
             if agent_gone.is_set():
                 continue
             try:
@@ -473,6 +477,7 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
                     continue
                 if not data:
                     break
+                TRIMMER.relayed(len(data))
                 proc.stdin.write(data)
                 await proc.stdin.drain()
         except (OSError, asyncssh.Error):
@@ -490,6 +495,7 @@ async def _relay(host: Host, proc: asyncssh.SSHClientProcess[bytes], agent: Stre
         return lost(host.alias, f"the connection to the target was lost ({exc})")
     finally:
         feeder.cancel()
+        TRIMMER.ended()
     if proc.exit_signal is not None:
         return Result(Outcome.SIGNALLED, signal=proc.exit_signal)
     if proc.exit_status is not None:  # None: the channel closed without one

@@ -65,6 +65,7 @@ from bastion.gateway.intent import Intent
 from bastion.gateway.mux import MuxView
 from bastion.gateway.service import AgentConn, Service, new_request_id
 from bastion.gateway.tenants import Tenant
+from bastion.gateway.trim import TRIMMER
 
 log = logging.getLogger("bastion.sftp")
 
@@ -187,6 +188,7 @@ async def serve(
     finally:
         end()
         await broker.close()
+        TRIMMER.ended()  # a transfer's pages go back once the gateway is quiet
 
 
 OpenSftp = Callable[

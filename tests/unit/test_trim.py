@@ -1,0 +1,173 @@
+"""When the gateway hands memory back (`gateway/trim.py`), and the window that holds
+(`gateway/window.py`): a relay's buffers stay within one window however fast the
+sender and however slow the reader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncssh.channel import SSHChannel
+
+from bastion.gateway.trim import MiB, Schedule, Trimmer
+from bastion.gateway.window import deliver_held
+
+# -- when to trim --------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def trimmer(schedule: Schedule) -> tuple[Trimmer, Clock, list[float]]:
+    clock = Clock()
+    done: list[float] = []
+    return Trimmer(schedule, trim=lambda: done.append(clock.now), clock=clock), clock, done
+
+
+def test_a_stream_is_trimmed_once_every_so_many_bytes() -> None:
+    t, clock, done = trimmer(Schedule(every_bytes=16 * MiB))
+    for _ in range(16 * 4 - 1):  # 63 MiB in 1 MiB reads
+        t.relayed(MiB)
+        clock.now += 0.01
+    assert len(done) == 3  # at 16, 32 and 48 MiB; the last 15 wait
+    t.relayed(MiB)
+    assert len(done) == 4
+
+
+def test_quiet_after_work_trims_once() -> None:
+    t, clock, done = trimmer(Schedule(quiet=1.0, min_interval=5.0))
+    t.tick()
+    assert done == []  # no work since the start: nothing to give back
+    t.ended()
+    clock.now += 0.5
+    t.tick()
+    assert done == []  # not quiet yet
+    clock.now += 0.6
+    t.tick()
+    assert len(done) == 1
+    clock.now += 10
+    t.tick()
+    assert len(done) == 1  # nothing since: no second trim
+
+
+def test_quiet_trims_are_spaced_but_a_streams_trims_do_not_delay_them() -> None:
+    t, clock, done = trimmer(Schedule(every_bytes=16 * MiB, quiet=1.0, min_interval=5.0))
+    t.ended()
+    clock.now += 1
+    t.tick()
+    assert len(done) == 1
+    t.ended()  # a lone command a moment later: not trimmed for until min_interval passed
+    clock.now += 1
+    t.tick()
+    assert len(done) == 1
+    clock.now += 4
+    t.tick()
+    assert len(done) == 2
+    clock.now += 10
+    t.relayed(16 * MiB)  # a stream's trim ...
+    t.relayed(MiB)  # ... and what came after it still goes back once quiet
+    assert len(done) == 3
+    clock.now += 1
+    t.tick()
+    assert len(done) == 4
+
+
+def test_without_malloc_trim_nothing_is_called() -> None:
+    t = Trimmer(Schedule(every_bytes=1), trim=None)
+    t._trim = None  # as where the C library has no malloc_trim
+    t.relayed(10)
+    assert t.trims == 0
+
+
+# -- the window that holds -------------------------------------------------------------
+
+WINDOW = 2 * MiB
+PACKET = 32 * 1024
+
+
+class _Log:
+    def debug2(self, *args: object) -> None:
+        pass
+
+
+class _Session:
+    """A stream above the channel: pauses it once `limit` bytes wait (asyncssh's
+    limit is the window), resumes it when a read brings it below."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting = 0
+        self.chan: Any = None
+
+    def data_received(self, data: bytes, datatype: object) -> None:
+        self.waiting += len(data)
+        if self.waiting >= self.limit and not self.chan._recv_paused:
+            self.chan.pause_reading()
+
+    def read(self, n: int) -> None:
+        self.waiting -= min(n, self.waiting)
+        if self.waiting < self.limit and self.chan._recv_paused:
+            self.chan.resume_reading()
+
+
+def _channel(cls: type) -> Any:
+    chan = object.__new__(cls)
+    chan.__dict__.update(
+        _send_state="open",
+        _recv_state="open",
+        _recv_paused=False,
+        _recv_buf=[],
+        _recv_window=WINDOW,
+        _init_recv_window=WINDOW,
+        _encoding=None,
+        _logger=_Log(),
+        credited=0,
+    )
+    chan.send_packet = lambda _type, *args: setattr(
+        chan, "credited", chan.credited + int.from_bytes(args[0], "big")
+    )
+    return chan
+
+
+class _Plain(SSHChannel):  # type: ignore[type-arg]
+    """asyncssh's own channel."""
+
+
+class _Held(SSHChannel):  # type: ignore[type-arg]
+    _deliver_data = deliver_held
+
+
+def most_held(cls: type, total: int = 64 * MiB, read: int = 64 * 1024) -> int:
+    """A sender that fills whatever window it is given, a reader that takes `read`
+    bytes between the sender's turns: the most the channel and the stream above it
+    held at once."""
+    chan = _channel(cls)
+    session = chan._session = _Session(WINDOW)
+    session.chan = chan
+    sent = most = 0
+    peer_window = WINDOW
+    while sent < total:
+        peer_window += chan.credited
+        chan.credited = 0
+        while peer_window >= PACKET and sent < total:
+            chan._accept_data(b"x" * PACKET)
+            peer_window -= PACKET
+            sent += PACKET
+        held = sum(len(d) for d, _ in chan._recv_buf) + session.waiting
+        most = max(most, held)
+        session.read(read)
+    return most
+
+
+def test_the_window_holds_however_slow_the_reader() -> None:
+    assert most_held(_Held) <= 2 * WINDOW  # the channel's window, and the stream's
+
+
+def test_asyncssh_alone_lets_a_fast_sender_run_ahead() -> None:
+    """The bug `window.py` works around (if asyncssh fixes it, this fails: drop the
+    workaround)."""
+    assert most_held(_Plain) > 8 * WINDOW
