@@ -192,6 +192,8 @@ class Control:
                 # Each target's learned limit (core/concurrency.py), in flight and queued.
                 "targets": gw.service.admission.targets(),
             },
+            # Certificate accounts' connections parked before auth (gateway/warm.py).
+            "warm": gw.dispatcher.warm.stats(),
             # How far behind the witness is (None: bastion.toml asks for none).
             "witness": gw.witness.health() if gw.witness is not None else None,
             # Records no vouch of this identity covers, found at the last unlock.
