@@ -20,11 +20,14 @@ commands. Each window's median is compared with it:
 - under `GROW_BELOW` times the baseline while the limit held commands back, the
   target has room: the limit grows (by its square root, so a quick target is
   found in a few windows), never above the `ceiling` (`[limits] inflight`);
+  a command that graduates (below) while others wait grows it by one;
 - in between, or while the limit held nothing back, it stays.
 
-A baseline goes stale (the target may have become faster or slower for good):
-after `PROBE_EVERY` windows without a command at `FLOOR`, one window runs at
-`FLOOR` to measure it again (as TCP BBR probes its round-trip time), then the
+A lane starts at `START` (about what sshd's `MaxStartups` lets direct clients
+send into their handshakes at once) and measures its baseline with a first
+window at `FLOOR`. A baseline goes stale (the target may have become faster or
+slower for good): after `PROBE_EVERY` windows without a command at `FLOOR`,
+one window runs at `FLOOR` to measure it again (as TCP BBR probes its round-trip time), then the
 limit comes back.
 
 Medians, not means: a few long commands among short ones do not move it. A
@@ -41,7 +44,8 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-START = FLOOR = 2  # commands at once to a target nothing is known of yet; never fewer
+START = 8  # commands at once to a target nothing is known of yet (sshd's MaxStartups is 10)
+FLOOR = 2  # never fewer: one slow command must not serialise a target
 TOLERANCE = 2.0  # window median over baseline that counts as the target queueing work
 GROW_BELOW = 1.5  # window median over baseline under which a held-back limit grows
 WINDOW = 8  # samples per decision
@@ -79,6 +83,14 @@ def held_back(est: Estimate) -> Estimate:
     return est if est.held_back else replace(est, held_back=True)
 
 
+def graduated(est: Estimate, ceiling: int | None) -> Estimate:
+    """A command ran past its graduation while others waited: its start did not
+    queue, so one more may start (a fleet of long commands is not held to FLOOR)."""
+    if not est.held_back or est.probing is not None:
+        return est
+    return replace(est, limit=bounded(est.limit + 1, ceiling))
+
+
 def observe(est: Estimate, seconds: float, started_with: int, ceiling: int | None) -> Estimate:
     """One command's time at the target, and how many were in flight as it started
     (itself included); at a full window, the limit is decided anew."""
@@ -97,7 +109,10 @@ def observe(est: Estimate, seconds: float, started_with: int, ceiling: int | Non
     if probing is not None:
         if measured or stale > PROBE_GIVES_UP:  # measured again, or never quiet: give up
             limit, probing = probing, None
-    elif est.baseline is not None:
+    elif est.baseline is None:  # nothing ran at FLOOR yet: measure it
+        if bounded(limit, ceiling) > FLOOR:
+            limit, probing, stale = FLOOR, bounded(limit, ceiling), 0
+    else:
         ratio = statistics.median(est.window) / est.baseline
         if ratio > TOLERANCE:
             limit = math.floor(limit * max(BACKOFF, TOLERANCE / ratio))

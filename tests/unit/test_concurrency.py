@@ -130,13 +130,13 @@ async def test_the_limit_shrinks_when_latency_rises_with_concurrency_and_grows_b
 
 
 async def test_a_burst_reaches_a_new_target_a_few_at_a_time() -> None:
-    """64 agents at once against a target nothing is known of: it gets FLOOR first,
-    not the burst direct ssh's staggered handshakes would not have sent."""
+    """64 agents at once against a target nothing is known of: it gets START first
+    (what MaxStartups lets direct clients send at once), not the burst of 64."""
     target = FakeTarget(Admission(limit=128), knee(0.05, 4))
     tasks = [target.client("run", f"p{i}") for i in range(64)]
     try:
         await target.until(1)
-        assert target.peak == FLOOR
+        assert target.peak == concurrency.START
         await target.until(2000)
         assert target.typical(1000) <= 10 and max(target.limits[-1000:]) <= 16
     finally:
@@ -192,6 +192,30 @@ async def test_long_commands_leave_their_slot(monkeypatch: pytest.MonkeyPatch) -
     held.set()
     await asyncio.gather(*tasks)
     assert a.inflight == 0 and a.lanes[TARGET].slots.inflight == 0
+
+
+async def test_a_fleet_of_long_commands_all_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 long commands at once: each graduation lets one more start than left, so
+    the fleet is running within a few graduations, not 64 / START of them."""
+    monkeypatch.setattr(concurrency, "GRADUATION_MIN", 0.05)
+    a = Admission(limit=128, wait=30)
+    held = asyncio.Event()
+    started: list[int] = []
+
+    async def long(i: int) -> None:
+        async with a.slot(f"p{i}", "run", TARGET):
+            started.append(i)
+            await held.wait()
+
+    tasks = [asyncio.create_task(long(i)) for i in range(64)]
+    for _ in range(1000):  # bounded wait on the event: all started
+        if len(started) == 64:
+            break
+        await asyncio.sleep(0.01)
+    assert len(started) == 64
+    assert a.lanes[TARGET].estimate.limit > concurrency.START
+    held.set()
+    await asyncio.gather(*tasks)
 
 
 @settings(max_examples=200, deadline=None)
