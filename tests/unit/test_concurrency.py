@@ -168,30 +168,41 @@ async def test_slots_go_to_runs_in_turn_not_to_the_run_with_most_processes() -> 
         stop(tasks)
 
 
+class Long:
+    """`n` commands to TARGET that run until `end`, each started as its slot comes."""
+
+    def __init__(self, a: Admission, n: int) -> None:
+        self.held = asyncio.Event()
+        self.started: list[int] = []
+
+        async def long(i: int) -> None:
+            async with a.slot(f"p{i}", "run", TARGET):
+                self.started.append(i)
+                await self.held.wait()
+
+        self.tasks = [asyncio.create_task(long(i)) for i in range(n)]
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        for _ in range(1000):  # a bounded wait on the event (graduations: loop time)
+            if done():
+                return
+            await asyncio.sleep(0.01)
+
+    async def end(self) -> None:
+        self.held.set()
+        await asyncio.gather(*self.tasks)
+
+
 async def test_long_commands_leave_their_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Graduation: commands running past it no longer hold the lane (real loop time)."""
     monkeypatch.setattr(concurrency, "GRADUATION_MIN", 0.05)
     a = Admission(limit=128)
-    held = asyncio.Event()
-    started: list[int] = []
-
-    async def long(i: int) -> None:
-        async with a.slot(f"p{i}", "run", TARGET):
-            started.append(i)
-            await held.wait()
-
-    tasks = [asyncio.create_task(long(i)) for i in range(6)]
-    lane = a.lane(TARGET)
-    for _ in range(500):  # bounded: each pair graduates after 0.05 s of loop time
-        lane = a.lane(TARGET)
-        if len(started) == 6 and lane.slots.inflight == 0:
-            break
-        await asyncio.sleep(0.02)
+    lane, long = a.lane(TARGET), Long(a, 6)
+    await long.until(lambda: len(long.started) == 6 and lane.slots.inflight == 0)
     assert lane.slots.inflight == 0, "the long commands kept their slots"
-    assert len(started) == 6 and a.inflight == 6  # the ceiling still counts them all
-    held.set()
-    await asyncio.gather(*tasks)
-    assert a.inflight == 0 and a.lanes[TARGET].slots.inflight == 0
+    assert len(long.started) == 6 and a.inflight == 6  # the ceiling still counts them all
+    await long.end()
+    assert a.inflight == 0 and lane.slots.inflight == 0
 
 
 async def test_a_fleet_of_long_commands_all_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,23 +210,11 @@ async def test_a_fleet_of_long_commands_all_start(monkeypatch: pytest.MonkeyPatc
     the fleet is running within a few graduations, not 64 / START of them."""
     monkeypatch.setattr(concurrency, "GRADUATION_MIN", 0.05)
     a = Admission(limit=128, wait=30)
-    held = asyncio.Event()
-    started: list[int] = []
-
-    async def long(i: int) -> None:
-        async with a.slot(f"p{i}", "run", TARGET):
-            started.append(i)
-            await held.wait()
-
-    tasks = [asyncio.create_task(long(i)) for i in range(64)]
-    for _ in range(1000):  # bounded wait on the event: all started
-        if len(started) == 64:
-            break
-        await asyncio.sleep(0.01)
-    assert len(started) == 64
+    long = Long(a, 64)
+    await long.until(lambda: len(long.started) == 64)
+    assert len(long.started) == 64
     assert a.lanes[TARGET].estimate.limit > concurrency.START
-    held.set()
-    await asyncio.gather(*tasks)
+    await long.end()
 
 
 @settings(max_examples=200, deadline=None)
