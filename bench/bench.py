@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from load import bench_sshd  # noqa: E402  (bench/load.py, beside this file)
+from sftp_bench import bench as sftp_bench  # noqa: E402  (bench/sftp_bench.py)
 
 from bastion.ca import vault_ca  # noqa: E402
 from bastion.ops import unlocked  # noqa: E402
@@ -295,6 +296,13 @@ def report(r: dict[str, Any]) -> str:
         f"command reader on a 64 KiB command: plain {rd['plain_us_per_KiB']:.0f} us/KiB, "
         f"shell source {rd['shell_source_us_per_KiB']:.0f} us/KiB"
     )
+    if (sf := r.get("sftp")) is not None:
+        lines.append(
+            f"sftp {sf['mb']} MB (median of {sf['runs']}), MB/s: up direct "
+            f"{sf['direct_up_mb_s']:.0f}, bastion {sf['bastion_up_mb_s']:.0f} "
+            f"({sf['ratio_up']:.2f}x); down direct {sf['direct_down_mb_s']:.0f}, bastion "
+            f"{sf['bastion_down_mb_s']:.0f} ({sf['ratio_down']:.2f}x)"
+        )
     return "\n".join(lines)
 
 
@@ -312,6 +320,13 @@ def main() -> None:
         action="store_true",
         help="give the gateway a file witness: each intent waits for its head's fsync",
     )
+    ap.add_argument(
+        "--sftp-mb",
+        type=int,
+        default=32,
+        help="the sftp row: stock sftp puts and gets this many MB, direct and through bastion "
+        "(bench/sftp_bench.py, 3 runs); 0 leaves it out",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
     # Not in /tmp: a sandboxed run has a /tmp of its own, and its agent reads the config here.
@@ -319,6 +334,9 @@ def main() -> None:
         result = bench(
             Path(tmp), max(args.n, 2), args.blob_mb << 20, not args.target_rc, args.witness
         )
+        if args.sftp_mb > 0:
+            (Path(tmp) / "sftp").mkdir()
+            result["sftp"] = sftp_bench(Path(tmp) / "sftp", args.sftp_mb, 3)
     print(json.dumps(result, indent=2) if args.json else report(result))
 
 
