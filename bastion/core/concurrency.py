@@ -20,7 +20,6 @@ commands. Each window's median is compared with it:
 - under `GROW_BELOW` times the baseline while the limit held commands back, the
   target has room: the limit grows (by its square root, so a quick target is
   found in a few windows), never above the `ceiling` (`[limits] inflight`);
-  a command that graduates (below) while others wait grows it by one;
 - in between, or while the limit held nothing back, it stays.
 
 A lane starts at `START` (about what sshd's `MaxStartups` lets direct clients
@@ -33,7 +32,11 @@ limit comes back.
 Medians, not means: a few long commands among short ones do not move it. A
 command still running after `graduation` (a few baselines) has shown it is not
 waiting at the start: it leaves its slot (the ceiling still counts it) and gives
-no sample, so long-running commands never hold a target's short ones back.
+no sample, so long-running commands never hold a target's short ones back (a
+fleet of them starts `START` per graduation). Graduations do not grow the limit:
+measured, against a target whose commands queued for seconds, they grew it past
+what it served (38 at once where 6 did better) -- a slow start looks like a long
+command.
 
 Pure: the gateway (`gateway/admission.py`) measures and carries out.
 """
@@ -81,14 +84,6 @@ class Estimate:
 def held_back(est: Estimate) -> Estimate:
     """A command had to wait for this target's limit."""
     return est if est.held_back else replace(est, held_back=True)
-
-
-def graduated(est: Estimate, ceiling: int | None) -> Estimate:
-    """A command ran past its graduation while others waited: its start did not
-    queue, so one more may start (a fleet of long commands is not held to FLOOR)."""
-    if not est.held_back or est.probing is not None:
-        return est
-    return replace(est, limit=bounded(est.limit + 1, ceiling))
 
 
 def observe(est: Estimate, seconds: float, started_with: int, ceiling: int | None) -> Estimate:

@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 from bastion.core.concurrency import Estimate, bounded, held_back, observe
-from bastion.core.concurrency import graduated as grow_on_graduation
 from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
 from bastion.core.errors import BastionError
 
@@ -248,8 +247,6 @@ class Admission:
             nonlocal graduated
             graduated = True
             assert lane is not None
-            lane.estimate = grow_on_graduation(lane.estimate, self.ceiling.limit)
-            lane.slots.limit = lane.estimate.limit
             lane.slots.give()
 
         timer = loop.call_later(lane.estimate.graduation, graduate) if lane else None
