@@ -109,3 +109,14 @@ def target(tmp_path: Path, client_key: tuple[Path, str]) -> Iterator[Sshd]:
     """A target sshd of this test's own, which it may kill, freeze or cut off."""
     with Sshd(tmp_path / "target-sshd", authorized_keys=[client_key[1]]) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def ca_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """A target that trusts a CA (each test sets it: `trust_user_cas`) and no plain key
+    at all, one per test module."""
+    reason = sshd_available()
+    if reason:
+        pytest.skip(reason)
+    with Sshd(tmp_path_factory.mktemp("ca-sshd")) as server:
+        yield server

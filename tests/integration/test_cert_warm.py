@@ -74,16 +74,6 @@ def _bastion(tmp_path: Path, server: Sshd, client_key: Path, **account: Any) -> 
     return b
 
 
-@pytest.fixture(scope="module")
-def ca_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    """A target that trusts the bastion's CA (set per test) and no plain key."""
-    reason = sshd_available()
-    if reason:
-        pytest.skip(reason)
-    with Sshd(tmp_path_factory.mktemp("warm-sshd")) as server:
-        yield server
-
-
 @pytest.fixture
 def cert_bastion(tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]) -> Iterator[Bastion]:
     b = _bastion(tmp_path, ca_sshd, client_key[0], **CERT)

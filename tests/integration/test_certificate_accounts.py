@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from bastion.ca import vault_ca
-from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates, sshd_available
+from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates
 from bastion.ops import unlocked
 from bastion.vault import Vault
 from tests.harness import (
@@ -30,16 +30,6 @@ from tests.harness import (
 )
 
 CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}
-
-
-@pytest.fixture(scope="module")
-def ca_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    """A target that trusts a CA (set per test) and no plain key at all."""
-    reason = sshd_available()
-    if reason:
-        pytest.skip(reason)
-    with Sshd(tmp_path_factory.mktemp("ca-sshd")) as server:
-        yield server
 
 
 def _bastion(
