@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import serialization
 from bastion import journal, opsock
 from bastion.cli.agents import home_ssh_config
 from bastion.cli.promptkeys import GUARD
-from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.devtools.sshd_fixture import Sshd, SshdInfo
 from bastion.home import Home
 
 PASSPHRASE = "correct horse battery staple"
@@ -446,6 +446,30 @@ def make_bastion(
         b.start_daemon()
         unlocked = b.op("unlock", passphrase=base64.b64encode(PASSPHRASE.encode()).decode())
         assert unlocked["vault_epoch"], unlocked
+    return b
+
+
+CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}  # a certificate account
+
+
+def ca_bastion(
+    tmp_path: Path, server: Sshd, client_key: Path, with_ca: bool = True, **account: Any
+) -> Bastion:
+    """A bastion for `server` (one account, `account`'s fields) whose vault has a user CA
+    that `server` trusts (`with_ca`), started and unlocked."""
+    from bastion.ca import vault_ca  # the CA's code only where a test wants one
+    from bastion.ops import unlocked
+    from bastion.vault import Vault
+
+    info = server.info
+    assert info is not None
+    b = make_bastion(tmp_path, info, client_key, policy_toml(info, **account), start=False)
+    if with_ca:
+        with unlocked(Vault.open(b.home.vault), PASSPHRASE.encode()) as vault:
+            vault_ca.init(vault)
+            server.trust_user_cas(vault_ca.public(vault.list_keys())["trusted_user_ca_keys"])
+    b.start_daemon()
+    b.unlock()
     return b
 
 

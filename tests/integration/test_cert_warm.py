@@ -21,13 +21,15 @@ import asyncssh
 import psutil
 import pytest
 
-from bastion.ca import vault_ca
 from bastion.devtools.sshd_fixture import Sshd, sshd_available
-from bastion.ops import unlocked
-from bastion.vault import Vault
-from tests.harness import PASSPHRASE, Agent, Bastion, make_bastion, policy_toml, wait_for
-
-CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}
+from tests.harness import (
+    CERT,
+    Agent,
+    Bastion,
+    ca_bastion,
+    policy_toml,
+    wait_for,
+)
 
 _ARRIVED = re.compile(r"Connection from \S+ port (\d+) on ")
 _LOGIN = re.compile(r"Accepted publickey for \S+ from \S+ port (\d+) ssh2: \S+-CERT \S+ ID (\S+) ")
@@ -63,20 +65,9 @@ def _rows(b: Bastion) -> list[dict[str, Any]]:
     return list(b.op("audit", view="activity"))
 
 
-def _bastion(tmp_path: Path, server: Sshd, client_key: Path, **account: Any) -> Bastion:
-    info = server.info
-    b = make_bastion(tmp_path, info, client_key, policy_toml(info, **account), start=False)
-    with unlocked(Vault.open(b.home.vault), PASSPHRASE.encode()) as vault:
-        vault_ca.init(vault)
-        server.trust_user_cas(vault_ca.public(vault.list_keys())["trusted_user_ca_keys"])
-    b.start_daemon()
-    b.unlock()
-    return b
-
-
 @pytest.fixture
 def cert_bastion(tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]) -> Iterator[Bastion]:
-    b = _bastion(tmp_path, ca_sshd, client_key[0], **CERT)
+    b = ca_bastion(tmp_path, ca_sshd, client_key[0], **CERT)
     try:
         yield b
     finally:
@@ -179,7 +170,7 @@ def test_a_warm_connection_the_target_dropped_is_replaced_and_the_command_runs(
     tmp_path: Path, impatient_sshd: Sshd, client_key: tuple[Path, str]
 ) -> None:
     server = impatient_sshd
-    b = _bastion(tmp_path, server, client_key[0], **CERT)
+    b = ca_bastion(tmp_path, server, client_key[0], **CERT)
     try:
         since = len(server.log_text())
         agent = _first(b)

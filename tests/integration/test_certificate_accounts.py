@@ -18,38 +18,20 @@ import pytest
 
 from bastion.ca import vault_ca
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, login_certificates
-from bastion.ops import unlocked
 from bastion.vault import Vault
 from tests.harness import (
-    PASSPHRASE,
+    CERT,
     Bastion,
     after_waiting,
+    ca_bastion,
     journal_frozen,
     make_bastion,
-    policy_toml,
 )
-
-CERT = {"auth": "certificate", "source_address": ["127.0.0.1"]}
-
-
-def _bastion(
-    tmp_path: Path, server: Sshd, client_key: Path, with_ca: bool, **account: Any
-) -> Bastion:
-    info = server.info
-    assert info is not None
-    b = make_bastion(tmp_path, info, client_key, policy_toml(info, **account), start=False)
-    if with_ca:
-        with unlocked(Vault.open(b.home.vault), PASSPHRASE.encode()) as vault:
-            vault_ca.init(vault)
-            server.trust_user_cas(vault_ca.public(vault.list_keys())["trusted_user_ca_keys"])
-    b.start_daemon()
-    b.unlock()
-    return b
 
 
 @pytest.fixture
 def cert_bastion(tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]) -> Iterator[Bastion]:
-    b = _bastion(tmp_path, ca_sshd, client_key[0], True, **CERT)
+    b = ca_bastion(tmp_path, ca_sshd, client_key[0], True, **CERT)
     try:
         yield b
     finally:
@@ -93,7 +75,7 @@ def test_an_approved_command_runs_with_exact_output_and_sshd_logs_its_request_an
 def test_per_command_approval_signs_exactly_the_approved_bytes(
     tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]
 ) -> None:
-    b = _bastion(
+    b = ca_bastion(
         tmp_path, ca_sshd, client_key[0], True, approval="per-command", shell="card", **CERT
     )
     try:
@@ -114,7 +96,7 @@ def test_per_command_approval_signs_exactly_the_approved_bytes(
 def test_a_vault_without_a_ca_is_a_policy_error_naming_the_account_and_nothing_is_sent(
     tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]
 ) -> None:
-    b = _bastion(tmp_path, ca_sshd, client_key[0], False, **CERT)
+    b = ca_bastion(tmp_path, ca_sshd, client_key[0], False, **CERT)
     try:
         before = len(ca_sshd.log_text())
         result = b.agent().run("echo should-not-run")
@@ -130,7 +112,7 @@ def test_a_vault_without_a_ca_is_a_policy_error_naming_the_account_and_nothing_i
 def test_a_target_that_sees_another_source_address_refuses_and_nothing_runs(
     tmp_path: Path, ca_sshd: Sshd, client_key: tuple[Path, str]
 ) -> None:
-    b = _bastion(
+    b = ca_bastion(
         tmp_path, ca_sshd, client_key[0], True, auth="certificate", source_address=["127.0.0.2"]
     )
     try:
