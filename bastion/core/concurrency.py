@@ -71,7 +71,6 @@ class Estimate:
     held_back: bool = False  # a command waited for this limit during the window
     stale: int = 0  # windows since one had commands at FLOOR
     probing: int | None = None  # the limit to come back to after a probe
-    windows: int = 0  # decisions made, since start
 
     @property
     def graduation(self) -> float:
@@ -123,7 +122,6 @@ def observe(est: Estimate, seconds: float, started_with: int, ceiling: int | Non
         held_back=False,
         stale=stale,
         probing=probing,
-        windows=est.windows + 1,
     )
 
 
