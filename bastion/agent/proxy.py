@@ -18,13 +18,13 @@ exits 0 and prints the refusal from the background, `-L` reads like the target
 refused -- so the agent is told at once, and nothing connects.
 """
 
-from __future__ import annotations
-
-import contextlib
-import json
+# Imports are what this helper's start costs on every agent ssh call: `json`,
+# `contextlib` and `socket` (enum, selectors) took 15 of its 27 ms on this machine
+# (python -X importtime), more than the interpreter itself. So it imports only
+# C modules and `os`: `_socket` rather than `socket`, its header JSON written by
+# `json_string`, and `json` and `select` only on the paths that need them.
+import _socket
 import os
-import select
-import socket
 import stat
 import struct
 import sys
@@ -156,6 +156,8 @@ def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
         "request_id": None,
         "retryable": retryable,
     }
+    import json  # a failure's path only (module comment above)
+
     sys.stderr.write(json.dumps({"ok": False, "error": error}) + "\n")
     return status
 
@@ -165,18 +167,45 @@ def reason(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
-def connect(sock: socket.socket, path: str, timeout: float) -> None:
+def json_string(text: str) -> str:
+    """`text` as a JSON string that `json.loads` reads back as `text`: ASCII only,
+    every character outside printable ASCII escaped (lone surrogates from a
+    non-UTF-8 argv too), without importing `json`."""
+    out = ['"']
+    for ch in text:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif code > 0xFFFF:
+            code -= 0x10000
+            out.append(f"\\u{0xD800 | code >> 10:04x}\\u{0xDC00 | code & 0x3FF:04x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    out.append('"')
+    return "".join(out)
+
+
+def header(host: str, port: str, user: str) -> bytes:
+    """The line that names the target to the gateway (`agent_ssh` reads it)."""
+    fields = ", ".join(f"{json_string(k)}: {json_string(v)}" for k, v in
+                       (("host", host), ("port", port), ("user", user)))  # fmt: skip
+    return PROTOCOL + b"{" + fields.encode("ascii") + b"}\n"
+
+
+def connect(sock: _socket.socket, path: str, timeout: float) -> None:
     """Connect within `timeout` seconds and bound each later send and receive the same.
     A blocking connect waits for ever while the listener's queue is full, as a wedged
     gateway's stays: SO_SNDTIMEO bounds that wait (it then fails EAGAIN)."""
     limit = struct.pack("@ll", int(timeout), int(timeout % 1 * 1_000_000))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, limit)
     sock.connect(path)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bytes(len(limit)))
+    sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, bytes(len(limit)))
     sock.settimeout(timeout)
 
 
-def read_reply(sock: socket.socket) -> bytes:
+def read_reply(sock: _socket.socket) -> bytes:
     """Read the daemon's one-line answer and not one byte more: the SSH
     banner follows at once on the same socket, and it belongs to ssh."""
     sock.settimeout(REPLY_TIMEOUT)
@@ -191,8 +220,10 @@ def read_reply(sock: socket.socket) -> bytes:
     return bytes(data)
 
 
-def relay(sock: socket.socket) -> int:
+def relay(sock: _socket.socket) -> int:
     """Copy bytes both ways until the daemon closes (no ProxyUseFdpass)."""
+    import select  # this path only (module comment above)
+
     sock.setblocking(True)
     sock.settimeout(None)
     stdin_open = True
@@ -205,7 +236,7 @@ def relay(sock: socket.socket) -> int:
                 sock.sendall(data)
             else:
                 stdin_open = False
-                sock.shutdown(socket.SHUT_WR)
+                sock.shutdown(_socket.SHUT_WR)
         if sock in readable:
             data = sock.recv(65536)
             if not data:
@@ -229,15 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     problem = ssh_problem(argv) if argv is not None else None
     if problem is not None:
         return fail(problem, UNSUPPORTED_REQUEST)
-    header = PROTOCOL + json.dumps({"host": host, "port": port, "user": user}).encode() + b"\n"
-    if len(header) > MAX_HEADER:
+    line = header(host, port, user)
+    if len(line) > MAX_HEADER:
         return fail("The host or user name is too long.")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         connect(sock, sock_path, REPLY_TIMEOUT)
         # The gateway may refuse before reading (a per-uid cap): its ERR line still waits.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(header)
+        try:  # noqa: SIM105 (contextlib: an import this helper does without)
+            sock.sendall(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
         reply = read_reply(sock)
     except FileNotFoundError:
         return fail(
@@ -268,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if stat.S_ISSOCK(os.fstat(1).st_mode):
         # ProxyUseFdpass (ssh gives us a socketpair, not pipes): hand ssh the
         # connected socket itself and get out of the way.
-        out = socket.socket(fileno=1)
+        out = _socket.socket(fileno=1)
         try:
-            socket.send_fds(out, [b"\0"], [sock.fileno()])
+            rights = struct.pack("i", sock.fileno())
+            out.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
         except OSError as exc:
             return fail(f"Could not pass the connection to ssh: {reason(exc)}.")
         finally:

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bastion.agent import proxy
 from bastion.agent.proxy import read_reply
 from bastion.core.contract import CONTRACT, Code
+from bastion.opsock import loads_line
 
 ARGS = ["web1", "22", "deploy"]
 
@@ -234,3 +240,64 @@ def test_the_proxy_checks_only_an_openssh_parent() -> None:
     """Run by pytest (python), the proxy checks nothing: paramiko's ProxyCommand and
     other parents are the gateway's to answer."""
     assert proxy.parent_ssh_argv() is None
+
+
+# -- the header, written without json, and what the helper imports --------------------------
+
+
+@given(st.text(), st.text(), st.text())
+def test_the_header_reads_back_as_the_names_given(host: str, port: str, user: str) -> None:
+    line = proxy.header(host, port, user)
+    assert line.startswith(proxy.PROTOCOL) and line.endswith(b"\n") and line.count(b"\n") == 1
+    assert line.isascii()
+    fields = loads_line(line[len(proxy.PROTOCOL) :])
+    assert (
+        fields
+        == json.loads(line[len(proxy.PROTOCOL) :])
+        == {"host": host, "port": port, "user": user}
+    )
+
+
+# What made the helper's start twice as long as the interpreter's (module comment in proxy.py).
+HEAVY = {"json", "socket", "contextlib", "selectors", "enum", "re", "select", "collections"}
+
+
+def test_the_way_to_ssh_imports_nothing_heavy(tmp_path: Path) -> None:
+    """The whole path an agent's ssh call takes -- header, OK, the socket passed to ssh
+    (ProxyUseFdpass) -- run as ssh runs it (-I -S), with Python listing its imports."""
+    path = tmp_path / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    got: list[bytes] = []
+
+    def gateway() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            got.append(conn.recv(4096))
+            conn.sendall(b"OK\n")
+            conn.recv(1)  # until the proxy is gone
+
+    ssh_end, proxy_end = socket.socketpair()
+    t = threading.Thread(target=gateway, daemon=True)
+    t.start()
+    with listener, ssh_end, proxy_end:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-X", "importtime", proxy.__file__,
+             "--socket", str(path), *ARGS],
+            stdout=proxy_end, stderr=subprocess.PIPE, timeout=60,
+        )  # fmt: skip
+        _, fds, _, _ = socket.recv_fds(ssh_end, 1, 1)
+        for fd in fds:
+            os.close(fd)
+    t.join(10)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert fds, "the proxy passed ssh no socket"
+    assert got and got[0] == proxy.header(*ARGS)
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "_socket" in imported  # the listing is what it claims to be
+    assert not imported & HEAVY, sorted(imported & HEAVY)
