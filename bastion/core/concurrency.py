@@ -10,7 +10,8 @@ commands at once differs per target and per hour, so the gateway learns it per
 learn theirs: from how long commands take.
 
 The signal is a command's time at the target (from its slot to its exit), and how
-many of the target's commands were in flight as it started. The `baseline` is
+many of the target's commands were in flight as it started (graduated ones, below,
+included: they left their slots, not the target). The `baseline` is
 the median time of the latest commands that started with at most `FLOOR` in
 flight -- what a command takes when the target is not busy with bastion's other
 commands. Each window's median is compared with it:

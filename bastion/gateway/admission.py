@@ -164,6 +164,7 @@ class Lane:
         self.name = name
         self.estimate = Estimate(limit=bounded(Estimate().limit, ceiling))
         self.slots = Slots(self.estimate.limit)
+        self.graduated = 0  # commands that left their slot and still run at the target
 
     def learn(self, seconds: float, started_with: int, ceiling: int | None) -> None:
         self.estimate = observe(self.estimate, seconds, started_with, ceiling)
@@ -247,17 +248,23 @@ class Admission:
             nonlocal graduated
             graduated = True
             assert lane is not None
+            lane.graduated += 1
             lane.slots.give()
 
         timer = loop.call_later(lane.estimate.graduation, graduate) if lane else None
-        started, started_with = self.clock(), lane.slots.inflight if lane else 0
+        # What the target runs of this lane as the command starts: a graduated command
+        # left its slot but not the target, and a command beside it is not alone there.
+        started = self.clock()
+        started_with = lane.slots.inflight + lane.graduated if lane else 0
         ended = False
         try:
             yield
             ended = True
         finally:
             self.ceiling.give()
-            if lane is not None and timer is not None and not graduated:
+            if lane is not None and graduated:
+                lane.graduated -= 1
+            elif lane is not None and timer is not None:
                 timer.cancel()
                 lane.slots.give()
                 if ended:

@@ -205,6 +205,26 @@ async def test_long_commands_leave_their_slot(monkeypatch: pytest.MonkeyPatch) -
     assert a.inflight == 0 and lane.slots.inflight == 0
 
 
+async def test_a_command_beside_long_ones_is_not_taken_for_the_target_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The baseline is what a command takes with at most FLOOR of the lane's commands at
+    the target: graduated ones left their slots, not the target, and still count."""
+    monkeypatch.setattr(concurrency, "GRADUATION_MIN", 0.05)
+    a = Admission(limit=128)
+    lane, long = a.lane(TARGET), Long(a, 4)
+    await long.until(lambda: lane.graduated == 4)
+    assert lane.graduated == 4 and lane.slots.inflight == 0
+    async with a.slot("short", "run", TARGET):
+        pass
+    assert lane.estimate.quiet == (), "a command beside 4 running ones made the baseline"
+    await long.end()
+    assert lane.graduated == 0 and a.inflight == 0
+    async with a.slot("short", "run", TARGET):
+        pass
+    assert len(lane.estimate.quiet) == 1  # alone now: it measures the baseline
+
+
 async def test_a_fleet_of_long_commands_all_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """64 long commands at once: each graduation lets START more start, so the whole
     fleet runs within 64 / START graduations (8 s at a second each), not the wait."""
