@@ -83,6 +83,72 @@ def test_without_malloc_trim_nothing_is_called() -> None:
     assert t.trims == 0
 
 
+def test_a_quiet_trim_collects_garbage_first_and_a_streams_does_not() -> None:
+    clock, done = Clock(), []
+    t = Trimmer(
+        Schedule(every_bytes=16 * MiB, quiet=1.0, min_interval=5.0),
+        trim=lambda: done.append("trim"),
+        clock=clock,
+        collect=lambda: done.append("collect"),
+    )
+    t.relayed(16 * MiB)
+    assert done == ["trim"]  # in mid-stream: no walk over every object
+    t.relayed(MiB)
+    clock.now += 2
+    t.tick()
+    assert done == ["trim", "collect", "trim"]
+
+
+def test_a_busy_gateway_collects_every_so_often_while_commands_end() -> None:
+    clock, done = Clock(), []
+    t = Trimmer(
+        Schedule(quiet=1.0, min_interval=5.0, collect_every=5.0),
+        trim=lambda: done.append("trim"),
+        clock=clock,
+        collect=lambda: done.append("collect"),
+    )
+    for _ in range(40):  # 20 s of commands ending every half second: never quiet
+        t.ended()
+        clock.now += 0.5
+        t.tick()
+    assert done == ["collect"] * 4  # every 5 s, no trim (the quiet one comes after)
+    clock.now += 1.5
+    t.tick()
+    assert done[-2:] == ["collect", "trim"]
+    clock.now += 20
+    t.tick()
+    assert done.count("collect") == 5  # nothing ended since: nothing to collect for
+
+
+def test_the_collector_frees_what_a_finished_connection_left_in_cycles() -> None:
+    """Why the quiet trim collects: objects in a cycle (as a closed connection and its
+    channels, each pointing at the other) are not freed when the last outside
+    reference goes, and stay until a full collection, however long that is."""
+    import gc
+    import weakref
+
+    class Conn:
+        pass
+
+    gc.collect()
+    freeze = gc.isenabled()
+    gc.disable()  # as between two of Python's own full collections
+    try:
+        conn, chan = Conn(), Conn()
+        conn.chan, chan.conn = chan, conn  # type: ignore[attr-defined]
+        gone = weakref.ref(conn)
+        del conn, chan
+        assert gone() is not None  # the cycle holds it
+        t = Trimmer(Schedule(quiet=1.0), trim=lambda: None, clock=Clock())
+        t.ended()
+        t._clock.now += 2  # type: ignore[attr-defined]
+        t.tick()
+        assert gone() is None
+    finally:
+        if freeze:
+            gc.enable()
+
+
 # -- the window that holds -------------------------------------------------------------
 
 WINDOW = 2 * MiB
