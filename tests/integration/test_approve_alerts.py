@@ -25,6 +25,7 @@ import pytest
 
 from bastion.cli import notify
 from bastion.cli.notify import MAX_RUNNING, Notification, Notifier
+from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import USER, Bastion, Terminal, cli_argv, make_bastion, policy_toml, wait_for
 
@@ -189,6 +190,10 @@ def test_the_status_line_between_cards_and_the_lock_key(bastion: Bastion, tmp_pa
         wait_for_line(term, "vault locked", "sessions 0")
         r = agent.run("echo after-lock")
         assert r.code == "VAULT_LOCKED" and r.stdout == b""
+        # A key within GUARD of the screen's last change is ignored (promptkeys.decide);
+        # a person reads the line first. Where the refused command came back sooner than
+        # that (a fast machine), `q` fell inside the guard and the prompt stayed.
+        time.sleep(GUARD + 0.2)
         term.type("q")
         assert term.proc.wait(10) == 0
         assert not notes(log)
