@@ -31,10 +31,15 @@ one window runs at `FLOOR` to measure it again (as TCP BBR probes its round-trip
 limit comes back.
 
 Medians, not means: a few long commands among short ones do not move it. A
-command still running after `graduation` (a few baselines) has shown it is not
-waiting at the start: it leaves its slot (the ceiling still counts it) and gives
-no sample, so long-running commands never hold a target's short ones back (a
-fleet of them starts `START` per graduation). Graduations do not grow the limit:
+command still running after `graduation` (a few baselines) may be one that runs
+long by nature: it leaves its slot (the ceiling still counts it), so long-running
+commands never hold a target's short ones back (a fleet of them starts `START`
+per graduation). One that then ends within `SLOW_START` graduations was slow to
+start, not long, and its whole time is a sample: without it the windows held only
+the commands quick enough not to graduate, and against a target whose commands
+queued for seconds (on a lock in its rc files) the limit never saw the queue
+while graduations let ever more commands in (`slow_start`). One that runs longer
+gives no sample. Graduations do not grow the limit:
 measured, against a target whose commands queued for seconds, they grew it past
 what it served (38 at once where 6 did better) -- a slow start looks like a long
 command.
@@ -58,6 +63,7 @@ PROBE_EVERY = 32  # windows a baseline lasts without a window mostly at FLOOR
 PROBE_GIVES_UP = 8  # windows a probe waits for the target's commands to drain
 GRADUATION_MIN = 1.0  # seconds: a command running longer leaves its slot ...
 GRADUATION_BASELINES = 4.0  # ... or this many baselines, whichever is longer
+SLOW_START = 4.0  # a graduated command ending within this many graduations was slow, not long
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,12 @@ class Estimate:
         if self.baseline is None:
             return GRADUATION_MIN
         return max(GRADUATION_MIN, GRADUATION_BASELINES * self.baseline)
+
+
+def slow_start(seconds: float, graduation: float) -> bool:
+    """A graduated command that ended after `seconds` was slow to start rather than
+    long by nature: its time is a sample (module docstring)."""
+    return seconds <= SLOW_START * graduation
 
 
 def held_back(est: Estimate) -> Estimate:

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
-from bastion.core.concurrency import Estimate, bounded, held_back, observe
+from bastion.core.concurrency import Estimate, bounded, held_back, observe, slow_start
 from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
 from bastion.core.errors import BastionError
 
@@ -251,7 +251,8 @@ class Admission:
             lane.graduated += 1
             lane.slots.give()
 
-        timer = loop.call_later(lane.estimate.graduation, graduate) if lane else None
+        graduation = lane.estimate.graduation if lane else 0.0
+        timer = loop.call_later(graduation, graduate) if lane else None
         # What the target runs of this lane as the command starts: a graduated command
         # left its slot but not the target, and a command beside it is not alone there.
         started = self.clock()
@@ -262,13 +263,16 @@ class Admission:
             ended = True
         finally:
             self.ceiling.give()
+            took = self.clock() - started
             if lane is not None and graduated:
                 lane.graduated -= 1
+                if ended and slow_start(took, graduation):  # slow, not long: a sample
+                    lane.learn(took, started_with, self.ceiling.limit)
             elif lane is not None and timer is not None:
                 timer.cancel()
                 lane.slots.give()
                 if ended:
-                    lane.learn(self.clock() - started, started_with, self.ceiling.limit)
+                    lane.learn(took, started_with, self.ceiling.limit)
 
     def _refused(self, lane: Lane | None) -> NoSlot:
         self.refused += 1

@@ -218,11 +218,47 @@ async def test_a_command_beside_long_ones_is_not_taken_for_the_target_alone(
     async with a.slot("short", "run", TARGET):
         pass
     assert lane.estimate.quiet == (), "a command beside 4 running ones made the baseline"
-    await long.end()
+    await long.end()  # (soon after graduating: slow starts, samples of their own)
     assert lane.graduated == 0 and a.inflight == 0
+    before = len(lane.estimate.quiet)
     async with a.slot("short", "run", TARGET):
         pass
-    assert len(lane.estimate.quiet) == 1  # alone now: it measures the baseline
+    assert len(lane.estimate.quiet) == before + 1  # alone now: it measures the baseline
+
+
+async def test_a_graduated_command_that_ends_soon_after_was_slow_and_is_a_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command that graduates and then ends within SLOW_START graduations was slow to
+    start (queued at the target), and its time is a sample; one that runs on is long by
+    nature and gives none. Graduation runs on the loop; the time taken on `now`."""
+    monkeypatch.setattr(concurrency, "GRADUATION_MIN", 0.05)
+    now = [100.0]
+    a = Admission(limit=128, clock=lambda: now[0])
+    lane = a.lane(TARGET)
+
+    async def one(graduations: float) -> None:
+        took = graduations * lane.estimate.graduation
+        release = asyncio.Event()
+
+        async def command() -> None:
+            async with a.slot("p", "run", TARGET):
+                await release.wait()
+
+        task = asyncio.create_task(command())
+        for _ in range(1000):  # bounded wait on the event: the graduation (loop time)
+            if lane.graduated:
+                break
+            await asyncio.sleep(0.01)
+        assert lane.graduated == 1
+        now[0] += took
+        release.set()
+        await task
+
+    await one(2)  # ended 2 graduations in: slow, not long
+    assert lane.estimate.window == (pytest.approx(2 * concurrency.GRADUATION_MIN),)
+    await one(10)  # 10: long by nature
+    assert len(lane.estimate.window) == 1 and lane.graduated == 0
 
 
 async def test_a_fleet_of_long_commands_all_start(monkeypatch: pytest.MonkeyPatch) -> None:
