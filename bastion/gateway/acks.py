@@ -19,8 +19,8 @@ earlier than Linux would have sent it.
 `AckAtOnce` is handed to asyncssh as its `tunnel`: asyncssh calls a tunnel's
 `create_connection(factory, host, port)` to make the transport, which lets
 this module wrap the protocol before the event loop (uvloop, which reads a
-protocol's `data_received` once) sees it. `tests/unit/test_acks.py` holds
-asyncssh to that.
+protocol's `data_received` once) sees it.
+`tests/integration/test_outbound_acks.py` holds asyncssh to that.
 """
 
 from __future__ import annotations
