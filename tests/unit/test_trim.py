@@ -4,6 +4,8 @@ sender and however slow the reader."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 from asyncssh.channel import SSHChannel
@@ -124,14 +126,12 @@ def test_the_collector_frees_what_a_finished_connection_left_in_cycles() -> None
     """Why the quiet trim collects: objects in a cycle (as a closed connection and its
     channels, each pointing at the other) are not freed when the last outside
     reference goes, and stay until a full collection, however long that is."""
-    import gc
-    import weakref
 
     class Conn:
         pass
 
     gc.collect()
-    freeze = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()  # as between two of Python's own full collections
     try:
         conn, chan = Conn(), Conn()
@@ -139,13 +139,14 @@ def test_the_collector_frees_what_a_finished_connection_left_in_cycles() -> None
         gone = weakref.ref(conn)
         del conn, chan
         assert gone() is not None  # the cycle holds it
-        t = Trimmer(Schedule(quiet=1.0), trim=lambda: None, clock=Clock())
+        clock = Clock()
+        t = Trimmer(Schedule(quiet=1.0), trim=lambda: None, clock=clock)
         t.ended()
-        t._clock.now += 2  # type: ignore[attr-defined]
+        clock.now += 2
         t.tick()
         assert gone() is None
     finally:
-        if freeze:
+        if was_enabled:
             gc.enable()
 
 
