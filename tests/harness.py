@@ -490,6 +490,18 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def stop(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it was not heeded within `timeout`. OpenSSH 9.2's client
+    loop can miss a SIGTERM that lands between its quit check and ppoll (seen on CI with
+    `ssh -N`, which then waits forever), so no test may rely on one alone."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def secret_needles(key_file: Path) -> list[bytes]:
     """Every form in which the deploy key's secret could leak."""
     private = serialization.load_ssh_private_key(key_file.read_bytes(), None)
@@ -653,8 +665,7 @@ def ssh_agent(directory: Path, timeout: float = 30.0) -> Iterator[Path]:
         )  # fmt: skip
         yield sock
     finally:
-        agent.terminate()
-        agent.wait(timeout=timeout)
+        stop(agent, timeout)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from bastion.ca import vault_ca
 from bastion.core.certs import CertSpec, cert_spec
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
 from bastion.vault import Vault
-from tests.harness import ssh_agent, wait_for
+from tests.harness import ssh_agent, stop, wait_for
 
 SSH_TIMEOUT = 30.0
 SOURCE = ("127.0.0.1/32",)
@@ -390,12 +390,7 @@ def _through_local_forward(target: Target, creds: Creds, tmp_path: Path) -> tupl
             # The client reports the refusal just before it closes our socket.
             wait_for(lambda: "open failed" in err_path.read_text(), timeout=SSH_TIMEOUT)
     finally:
-        client.terminate()
-        try:
-            client.wait(timeout=SSH_TIMEOUT)
-        except subprocess.TimeoutExpired:  # seen once on a loaded CI machine: SIGTERM unheeded
-            client.kill()
-            client.wait(timeout=SSH_TIMEOUT)
+        stop(client, timeout=10)
     return got, err_path.read_text()
 
 

@@ -42,6 +42,7 @@ from tests.harness import (
     make_bastion,
     policy_toml,
     ssh_agent,
+    stop,
     wait_for,
     write_bastion_toml,
 )
@@ -241,8 +242,7 @@ def _through_local_forward(team: Team, key: Path, cert: Path) -> str:
             assert sock.recv(64) == b""  # the channel was refused: no sshd banner came back
         wait_for(lambda: "open failed" in err.read_text(), timeout=SSH_TIMEOUT)
     finally:
-        client.terminate()
-        client.wait(timeout=SSH_TIMEOUT)
+        stop(client, timeout=10)
     return err.read_text()
 
 
