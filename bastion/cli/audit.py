@@ -204,7 +204,10 @@ def _journal_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "--since", type=When(), default=None, help=f"Only requests received since: {rows.WHEN_HELP}."
 )
 @click.option(
-    "--until", type=When(), default=None, help="Only requests received until then (as --since)."
+    "--until",
+    type=When(),
+    default=None,
+    help="Only requests received until then (as --since); a row shown at that very second is kept.",
 )
 @click.option(
     "--outcome",

@@ -290,7 +290,9 @@ def pending_row(card: Mapping[str, Any], width: int | None, now: float) -> str:
 class ActivityFilter:
     """`audit activity`'s filters; an empty one keeps every row. Hosts compare without
     case (policy aliases do); the run label and `grep` (a plain substring of the
-    command as the agent sent it, or of a file operation's path) compare exactly."""
+    command as the agent sent it, or of a file operation's path) compare exactly.
+    `until` compares the received time in whole seconds, as the rows show it: a row shown
+    at 21:52:05 is kept by `--until 21:52:05`, though it came at 21:52:05.4."""
 
     hosts: frozenset[str] = frozenset()
     run: str | None = None
@@ -307,7 +309,7 @@ class ActivityFilter:
         at = row.get("received_at")
         if self.since is not None and not (isinstance(at, int | float) and at >= self.since):
             return False
-        if self.until is not None and not (isinstance(at, int | float) and at <= self.until):
+        if self.until is not None and not (isinstance(at, int | float) and int(at) <= self.until):
             return False
         if self.outcomes and not self.outcomes & outcome_words(row):
             return False

@@ -219,6 +219,15 @@ def test_each_filter_keeps_only_its_rows() -> None:
     assert kept(grep="RESTART") == []  # case-sensitive
 
 
+def test_until_a_second_keeps_the_rows_shown_at_that_second() -> None:
+    """The rows show whole seconds; a bound typed from them keeps what it was read from."""
+    shown = request(request_id="a", received_at=NOW + 0.4)  # displayed at NOW's second
+    later = request(request_id="b", received_at=NOW + 1.0)
+    assert rows.activity_row(shown, None, NOW).startswith("21:50:00  ")
+    assert [r["request_id"] for r in ActivityFilter(until=NOW).select([shown, later])] == ["a"]
+    assert ActivityFilter(since=NOW + 0.5).select([shown]) == []  # since stays exact
+
+
 @pytest.mark.parametrize(
     ("text", "ago"),
     [("30s", 30), ("10m", 600), ("2h", 7200), ("1d", 86400), ("1h30m", 5400)],
