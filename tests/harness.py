@@ -24,6 +24,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -500,6 +501,48 @@ def stop(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
+
+
+def through_local_forward(
+    argv: Callable[[list[str]], list[str]],
+    port: int,
+    err_path: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[bytes, str]:
+    """Run the ssh `argv(options)` makes with `-N -L` to 127.0.0.1:`port`, connect once
+    through it, and return what came back (sshd's banner where the forward works, b""
+    where sshd refused the channel, then only once ssh said "open failed") and ssh's
+    stderr."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        local = probe.getsockname()[1]
+    options = ["-N", "-L", f"127.0.0.1:{local}:127.0.0.1:{port}", "-o", "ExitOnForwardFailure=yes"]
+    with err_path.open("w") as err:
+        client = subprocess.Popen(
+            argv(options), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env
+        )
+    try:
+        conn: list[socket.socket] = []
+
+        def connected() -> bool:
+            assert client.poll() is None, err_path.read_text()
+            try:
+                conn.append(socket.create_connection(("127.0.0.1", local), timeout=2))
+            except ConnectionRefusedError:
+                return False
+            return True
+
+        wait_for(connected, timeout=timeout)
+        with conn[0] as sock:
+            sock.settimeout(timeout)
+            got = sock.recv(64)  # b"" once ssh closes the refused channel's socket
+        if not got:
+            # The client reports the refusal just before it closes our socket.
+            wait_for(lambda: "open failed" in err_path.read_text(), timeout=timeout)
+    finally:
+        stop(client, timeout=10)
+    return got, err_path.read_text()
 
 
 def secret_needles(key_file: Path) -> list[bytes]:

@@ -17,7 +17,6 @@ import dataclasses
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -30,7 +29,7 @@ from bastion.ca import vault_ca
 from bastion.core.certs import CertSpec, cert_spec
 from bastion.devtools.sshd_fixture import Sshd, login_certificates, sshd_available
 from bastion.vault import Vault
-from tests.harness import ssh_agent, stop, wait_for
+from tests.harness import ssh_agent, through_local_forward, wait_for
 
 SSH_TIMEOUT = 30.0
 SOURCE = ("127.0.0.1/32",)
@@ -354,44 +353,12 @@ def test_no_remote_forward_unless_the_certificate_permits_it(
 
 
 def _through_local_forward(target: Target, creds: Creds, tmp_path: Path) -> tuple[bytes, str]:
-    """Run `ssh -N -L` to the target's own sshd port, connect through it, and return what
-    came back (sshd's banner if the forward works, nothing if sshd refused the channel)
-    and the client's stderr."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        local = probe.getsockname()[1]
-    argv = target.argv(
-        creds,
-        "-N",
-        "-L", f"127.0.0.1:{local}:127.0.0.1:{target.info.port}",
-        "-o", "ExitOnForwardFailure=yes",
-    )  # fmt: skip
-    err_path = tmp_path / f"forward-{local}.err"
-    with err_path.open("w") as err:
-        client = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_client_env()
-        )
-    try:
-        conn: list[socket.socket] = []
-
-        def connected() -> bool:
-            assert client.poll() is None, "ssh -L exited early"
-            try:
-                conn.append(socket.create_connection(("127.0.0.1", local), timeout=2))
-            except ConnectionRefusedError:
-                return False
-            return True
-
-        wait_for(connected, timeout=SSH_TIMEOUT)
-        with conn[0] as sock:
-            sock.settimeout(SSH_TIMEOUT)
-            got = sock.recv(64)  # b"" once ssh closes the refused channel's socket
-        if not got:
-            # The client reports the refusal just before it closes our socket.
-            wait_for(lambda: "open failed" in err_path.read_text(), timeout=SSH_TIMEOUT)
-    finally:
-        stop(client, timeout=10)
-    return got, err_path.read_text()
+    return through_local_forward(
+        lambda options: target.argv(creds, *options),
+        target.info.port,
+        tmp_path / "forward.err",
+        env=_client_env(),
+    )
 
 
 def test_no_local_forward_unless_the_certificate_permits_it(

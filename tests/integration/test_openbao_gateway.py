@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from tests.harness import (
     make_bastion,
     policy_toml,
     ssh_agent,
-    stop,
+    through_local_forward,
     wait_for,
     write_bastion_toml,
 )
@@ -206,44 +205,23 @@ def _save(team: Team, issued: Issued) -> tuple[Path, Path]:
 
 
 def _through_local_forward(team: Team, key: Path, cert: Path) -> str:
-    """`ssh -N -L` to the target's own port; returns ssh's stderr once the first
-    connection through it was answered (refused: nothing comes back)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        local = probe.getsockname()[1]
+    """`ssh -N -L` to the target's own port; ssh's stderr once the first connection
+    through it was refused (nothing came back)."""
     info = team.target.info
-    err = team.root / "forward.err"
     known = team.root / "known_hosts"
     known.write_text(info.known_hosts_line() + "\n")
-    argv = [
-        "ssh", "-F", "/dev/null", "-i", str(key), "-o", f"CertificateFile={cert}",
-        "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={known}",
-        "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes", "-p", str(info.port),
-        "-N", "-L", f"127.0.0.1:{local}:127.0.0.1:{info.port}", f"{info.user}@{info.address}",
-    ]  # fmt: skip
-    with err.open("w") as out:
-        client = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=out
-        )
-    try:
-        conn: list[socket.socket] = []
 
-        def connected() -> bool:
-            assert client.poll() is None, err.read_text()
-            try:
-                conn.append(socket.create_connection(("127.0.0.1", local), timeout=2))
-            except ConnectionRefusedError:
-                return False
-            return True
+    def argv(options: list[str]) -> list[str]:
+        return [
+            "ssh", "-F", "/dev/null", "-i", str(key), "-o", f"CertificateFile={cert}",
+            "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={known}",
+            "-o", "BatchMode=yes", "-p", str(info.port), *options, f"{info.user}@{info.address}",
+        ]  # fmt: skip
 
-        wait_for(connected, timeout=SSH_TIMEOUT)
-        with conn[0] as sock:
-            sock.settimeout(SSH_TIMEOUT)
-            assert sock.recv(64) == b""  # the channel was refused: no sshd banner came back
-        wait_for(lambda: "open failed" in err.read_text(), timeout=SSH_TIMEOUT)
-    finally:
-        stop(client, timeout=10)
-    return err.read_text()
+    err_path = team.root / "forward.err"
+    got, err = through_local_forward(argv, info.port, err_path, timeout=SSH_TIMEOUT)
+    assert got == b"", err  # the channel was refused: no sshd banner came back
+    return err
 
 
 @pytest.fixture
