@@ -62,7 +62,7 @@ from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.senders import own_connection
 from bastion.gateway.tenants import Tenants
-from bastion.gateway.trim import TRIMMER
+from bastion.gateway.trim import TRIMMER, settle
 from bastion.home import Home
 from bastion.identity import (
     DEFAULT_TERMINAL_HOSTS,
@@ -444,6 +444,7 @@ class Gateway:
                 "this home; run agents as another user for strong isolation",
                 os.getuid(),
             )
+        settle()  # what start-up made lives as long as the gateway: no collection walks it
         systemd = sdnotify.start(self.vault, self.book)  # READY=1, watchdog, status
         try:
             await self._stop.wait()

@@ -10,7 +10,7 @@ from typing import Any
 
 from asyncssh.channel import SSHChannel
 
-from bastion.gateway.trim import MiB, Schedule, Trimmer
+from bastion.gateway.trim import MiB, Schedule, Trimmer, settle
 from bastion.gateway.window import deliver_held
 
 # -- when to trim --------------------------------------------------------------------
@@ -146,6 +146,39 @@ def test_the_collector_frees_what_a_finished_connection_left_in_cycles() -> None
         t.tick()
         assert gone() is None
     finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_settle_freezes_what_lives_and_later_cycles_are_still_collected() -> None:
+    """What start-up made is frozen out of every later collection (which then walks
+    less); a cycle made after it is still freed, and start-up's own garbage was collected
+    before the freeze, not kept for ever."""
+
+    class Conn:
+        pass
+
+    def cycle() -> weakref.ref[Conn]:
+        conn, chan = Conn(), Conn()
+        conn.chan, chan.conn = chan, conn  # type: ignore[attr-defined]
+        return weakref.ref(conn)
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    start_garbage = cycle()
+    lives = Conn()
+    try:
+        settle()
+        assert start_garbage() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0
+        assert not any(o is lives for o in gc.get_objects())  # out of the collector's sight
+        later = cycle()
+        assert later() is not None
+        gc.collect()
+        assert later() is None
+    finally:
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
 
