@@ -179,7 +179,9 @@ def bench(
     # Streaming alone (estimate): the median cat minus the median `true` of that path.
     out["throughput_net_MBps"] = {k: mb / (t - statistics.median(lat[k])) for k, t in cat.items()}
     out["throughput_ratio"] = out["throughput_MBps"]["bastion"] / out["throughput_MBps"]["direct"]
-    commands = WARMUP + n + len(fails["bastion"])  # every bastion request of the loop
+    # Every request the gateway served in that loop: the agent's and the run's, each
+    # round, and each failed attempt of either.
+    commands = 2 * (WARMUP + n) + len(fails["bastion"]) + len(fails["in_run"])
     spent = journal_after["append_seconds"] - journal_before["append_seconds"]
     per_command_ms = spent / commands * 1e3
     out["journal"] = {
