@@ -155,9 +155,7 @@ class Trimmer:
             self.tick()
 
 
-def settle(
-    collect: Callable[[], object] = gc.collect, freeze: Callable[[], None] = gc.freeze
-) -> None:
+def settle() -> None:
     """Once the gateway has started: collect start-up's garbage, then put every object
     alive now (the modules, the policy, the requests loaded from the journal) out of the
     collector's sight. They live as long as the gateway, yet a full collection walked
@@ -167,8 +165,8 @@ def settle(
     in 4 ms (bench/README.md). Reference counting still frees a frozen object nobody
     holds; only a cycle among them would stay, hence the collection first. The vault is
     locked at start-up, so no key is among them."""
-    collect()
-    freeze()
+    gc.collect()
+    gc.freeze()
 
 
 # The gateway's one trimmer: the relays (outbound, sftp) tell it what they carried,
