@@ -415,6 +415,17 @@ def write_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+def _encrypted(data: bytes) -> bool:
+    """Whether the key file needs a passphrase. A wrong one does not always say so: the
+    legacy PEM encryption checks only the padding, which about one wrong passphrase in 250
+    gets right, and the garbage then fails to parse as the key (or as text)."""
+    try:
+        asyncssh.import_private_key(data, None)
+    except Exception as e:  # as in load_private_key_file: only the fixed phrase is read
+        return isinstance(e, ValueError) and str(e).startswith("Passphrase must be specified")
+    return False
+
+
 def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSHKey:
     """Import a user's key file; errors are fixed phrases so no file bytes leak into them."""
     if len(data) > MAX_KEY_FILE:
@@ -432,7 +443,9 @@ def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSH
                 "cannot decrypt an OpenSSH-encrypted key file: the Python "
                 "package bcrypt is not installed"
             ) from None
-        if msg.startswith(("Incorrect passphrase", "Unable to decrypt")):
+        if msg.startswith(("Incorrect passphrase", "Unable to decrypt")) or (
+            passphrase is not None and _encrypted(data)
+        ):
             raise VaultError("wrong passphrase for key file") from None
         head = msg.split(":")[0].strip()
         reason = head if re.fullmatch(r"[A-Za-z0-9#, ]{1,60}", head) else "malformed key data"

@@ -631,6 +631,30 @@ def test_import_key_files(v: Vault, tmp_path: Path, path: Path, name: str, args:
     )
 
 
+@needs_keygen
+@pytest.mark.parametrize("kind", ["rsa", "ecdsa"])
+def test_a_wrong_passphrase_that_passes_the_pem_padding_check_is_still_a_wrong_passphrase(
+    tmp_path: Path, kind: str
+) -> None:
+    """Legacy PEM encryption checks only the CBC padding: about one wrong passphrase in 250
+    gets it right, and the file then fails to parse (CI met one at random). The operator must
+    read "wrong passphrase", not "not a private key", for every wrong passphrase."""
+    secret = _keygen(tmp_path, kind, "-t", kind, "-m", "PEM", pw="key pass")
+    data = secret.read_bytes()
+    for i in range(20_000):  # about 0.4 ms a try; the first such passphrase is near 250
+        bad = f"bad {i}".encode()
+        try:
+            asyncssh.import_private_key(data, bad)
+        except Exception as e:  # asyncssh raises several types here
+            if not str(e).startswith(("Incorrect passphrase", "Unable to decrypt")):
+                break  # the control: asyncssh itself does not call this a wrong passphrase
+    else:
+        pytest.fail("no wrong passphrase passed the padding check")
+    with pytest.raises(VaultError, match=r"^wrong passphrase for key file$"):
+        load_private_key_file(data, bad)
+    assert load_private_key_file(data, b"key pass").export_public_key()
+
+
 MARKER = b"Zq8SECRETMATERIALx7Y"
 
 
