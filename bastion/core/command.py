@@ -236,6 +236,9 @@ _COMPOUND = {
     "{": "a brace group",
     "(": "a subshell",
 }
+# A compound is listed by its keyword, which the scan does not flag; anything else only
+# where the scan found something (a `{` opens a brace group or, elsewhere, an expansion).
+_COMPOUND_WHAT = frozenset(_COMPOUND.values())
 # A compound's later keywords, each with the openers it belongs to (and whether it ends it).
 _LATER: dict[str, tuple[frozenset[str], bool]] = {
     "do": (frozenset({"for", "select", "while", "until"}), False),
@@ -267,7 +270,7 @@ def _grouped(text: str, found: list[tuple[int, str, str]]) -> list[_Listed]:
     for start, token, what, size in sorted(_spans(text), key=lambda s: (s[0], -s[3])):
         if size == 0:  # a closing keyword, or a `;` that belongs to a compound: not listed
             taken.append((start, start + len(token)))
-        elif start >= reach and (start in found_at or token in _COMPOUND):
+        elif start >= reach and (start in found_at or what in _COMPOUND_WHAT):
             out.append((start, token, what, size))
             taken.append((start, start + size))
             reach = start + size

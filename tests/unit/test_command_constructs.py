@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bastion.core.command import _scan, read_command
@@ -161,6 +161,10 @@ SHELLISH = st.text(alphabet=st.sampled_from(list("ab ;&|()<>{}$`'\"\\\n\t-=*#!~Ã
 
 @settings(max_examples=600, deadline=None)
 @given(SHELLISH)
+# Found by a run of this test: the scan ends at the unclosed `"`, while the spans take `"`
+# as inside the backquotes and read on; their `{}` was listed because the token `{` also
+# opens a brace group.
+@example('`"`{}')
 def test_the_listing_never_hides_source_and_never_overlaps(command: str) -> None:
     """Whatever the text: shell source lists at least one construct; the listed
     constructs are in order, inside the text, and do not overlap; and every one
