@@ -415,6 +415,10 @@ def write_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+# What asyncssh says of an encrypted key file imported without a passphrase.
+_NEEDS_PASSPHRASE = "Passphrase must be specified"
+
+
 def _encrypted(data: bytes) -> bool:
     """Whether the key file needs a passphrase. A wrong one does not always say so: the
     legacy PEM encryption checks only the padding, which about one wrong passphrase in 250
@@ -422,7 +426,7 @@ def _encrypted(data: bytes) -> bool:
     try:
         asyncssh.import_private_key(data, None)
     except Exception as e:  # as in load_private_key_file: only the fixed phrase is read
-        return isinstance(e, ValueError) and str(e).startswith("Passphrase must be specified")
+        return isinstance(e, ValueError) and str(e).startswith(_NEEDS_PASSPHRASE)
     return False
 
 
@@ -434,7 +438,7 @@ def load_private_key_file(data: bytes, passphrase: bytes | None) -> asyncssh.SSH
         key = asyncssh.import_private_key(data, passphrase)
     except Exception as e:  # asyncssh parsers raise many types; never chain (may hold bytes)
         msg = str(e) if isinstance(e, ValueError) else ""
-        if msg.startswith("Passphrase must be specified"):
+        if msg.startswith(_NEEDS_PASSPHRASE):
             raise KeyFilePassphraseNeeded(
                 "the key file is encrypted; a passphrase is needed"
             ) from None
