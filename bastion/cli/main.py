@@ -338,7 +338,9 @@ def approve(ctx: click.Context, no_notify: bool, notify_command: bool) -> None:
     metavar="PATTERN",
     help="With approve, on a command card of an account with `grants = true`: also run "
     "later commands matching PATTERN without a card -- the card's own argv with chosen "
-    "words replaced by * (one * is one word; the program stays literal), e.g. "
+    "words replaced by * (one * is one word that does not begin with -, so an option is "
+    "covered only as the card spells it; the program and the card's options stay "
+    "literal), e.g. "
     "'systemctl restart *'. Needs --uses and/or --minutes (whichever ends first). Never "
     "covers shell source, stdin bytes or a terminal, nor anything the account's rules "
     "refuse; it ends with the session (lock, revoke, process change, restart, policy "

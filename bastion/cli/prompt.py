@@ -448,15 +448,18 @@ class Prompt:
             self.draft = GrantDraft(tuple(card["argv"]))
             self.tell(
                 f"grant on {cid}: a digit widens that word to * (again: back), Enter when "
-                "done; any other key cancels",
+                "done; any other key cancels. A * never matches a word that begins with -: "
+                "options stay as spelled",
                 self.style.warn,
             )
             for i, word in enumerate(card["argv"][1:10], 1):
-                self.say(f"  {i}  {_shown(word)}")
+                fixed = self.draft.why_not(str(i)) is not None
+                kept = self.style.dim("  (an option: stays as spelled)") if fixed else ""
+                self.say(f"  {i}  {_shown(word)}{kept}")
         elif act is Act.GRANT_WORD and self.draft is not None:
             toggled = self.draft.toggled(self.key)
             if toggled is None:
-                self.tell(f"  no word {self.key} to widen", self.style.dim)
+                self.tell(f"  {_shown(self.draft.why_not(self.key) or '')}", self.style.dim)
             self.draft = toggled or self.draft
         elif act is Act.ASK_BOUND and self.draft is not None:
             self.tell(f"  for: {BOUND_CHOICES} -- a digit", self.style.warn)

@@ -13,6 +13,8 @@ of cards must not be able to keep the operator from it.
 A yes may be widened to a bounded grant (`core/grants`) with the same deliberateness: `g`,
 then a digit per argv word to widen to `*`, Enter, a digit for the bound (`GRANT_BOUNDS`),
 and Enter once more on the whole grant read back -- one key a read, under the same guard.
+A `*` never matches an option (a word beginning with `-`), so a digit on one of the card's
+options widens nothing, and the prompt says why (`GrantDraft.why_not`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from bastion.core.grants import Pattern
+from bastion.core.grants import Pattern, why_literal
 
 GUARD = 0.4  # seconds after the card on screen changed in which input answers nothing
 PASTE_ON = "\033[?2004h"  # ask the terminal to mark pastes (bracketed paste)...
@@ -115,18 +117,27 @@ class Decision:
 @dataclass(frozen=True)
 class GrantDraft:
     """The grant being chosen for the card shown: which of its argv words become `*` (the
-    program, word 0, never does; a digit reaches words 1 to 9) and its bound."""
+    program, word 0, never does, nor does an option, which a `*` never matches; a digit
+    reaches words 1 to 9) and its bound."""
 
     argv: tuple[str, ...]
     wild: frozenset[int] = frozenset()
     bound: tuple[int | None, int | None] | None = None  # (uses, minutes)
 
-    def toggled(self, key: str) -> GrantDraft | None:
-        """The draft with that word widened (or back); None if there is no such word."""
+    def why_not(self, key: str) -> str | None:
+        """Why that digit widens nothing, or None when it does: there is no such word, or
+        the word must stay literal (`core/grants.why_literal`: an option)."""
         at = int(key)
         if not 1 <= at < len(self.argv):
+            return f"no word {key} to widen"
+        why = why_literal(self.argv, at)
+        return None if why is None else f"word {key} cannot be *: {why}"
+
+    def toggled(self, key: str) -> GrantDraft | None:
+        """The draft with that word widened (or back); None where `why_not` says why not."""
+        if self.why_not(key) is not None:
             return None
-        return replace(self, wild=self.wild ^ {at})
+        return replace(self, wild=self.wild ^ {int(key)})
 
     def bounded(self, key: str) -> GrantDraft:
         return replace(self, bound=GRANT_BOUNDS[key])

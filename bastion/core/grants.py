@@ -4,9 +4,14 @@ A per-command account asks a card for every command; a session account covers
 everything. A grant is the middle, and only ever explicit: answering a command
 card yes, the operator may add "and commands matching PATTERN, for K uses or N
 minutes (whichever ends first)". PATTERN is the card's own argv with chosen
-words replaced by `*`; a `*` stands for exactly one argv word, any value -- never
-a glob inside a word, never any number of words -- and the first word (the
-program) stays literal. Shell source has no argv and is never granted.
+words replaced by `*`; a `*` stands for exactly one argv word that is not an
+option (`command.is_option`: it begins with `-`) -- never a glob inside a word,
+never any number of words. That is what a `*` matches in every admitting rule
+(`allow`, `preapproved`): a word beginning with `-` can change what a program does
+(`make --eval=...`, `tar --to-command=...`), so an option is covered only where the
+pattern spells it, as the card's own word. The first word (the program) and the
+card's options stay literal (`why_literal`). Shell source has no argv and is
+never granted.
 
 A grant is bound like the session it extends (`SessionGrant`): the subject key
 (the run, or the one process in one exec), host, account, gateway lifetime,
@@ -24,10 +29,16 @@ import enum
 import re
 from dataclasses import dataclass
 
+from bastion.core.command import is_option
 from bastion.core.errors import BastionError
 from bastion.core.subject import SubjectKey
 
-WILD = "*"  # a pattern word that matches any one argv word
+WILD = "*"  # a pattern word that matches any one argv word that is not an option
+# Why a card's option stays as spelled: parse_grant's refusal and the prompt's note say it.
+OPTION_KEPT = (
+    "a * never matches a word that begins with -, so this pattern could not match even "
+    "the card's own command; keep the option as spelled"
+)
 MAX_USES = 100
 MAX_MINUTES = 480
 _PLAIN = re.compile(r"[A-Za-z0-9@%+=:,./_-]+")
@@ -49,15 +60,21 @@ class GrantEnd(enum.Enum):
 @dataclass(frozen=True)
 class Pattern:
     """The argv words a grant covers: a literal word, or None where the card's word
-    was replaced by `*`. The first word is always literal."""
+    was replaced by `*`. The first word and every option are literal (`parse_grant`)."""
 
     words: tuple[str | None, ...]
 
     def matches(self, argv: tuple[str, ...] | None) -> bool:
-        """Exactly as many words, each literal one equal; shell source (None) never."""
+        """Exactly as many words, each literal one equal, each `*` one word that is not
+        an option (as in every admitting rule: an option is covered only where spelled);
+        shell source (None) never. Checked here, not only at `parse_grant`: a pattern is
+        a record anyone may build."""
         if argv is None or len(argv) != len(self.words):
             return False
-        return all(w is None or w == a for w, a in zip(self.words, argv, strict=True))
+        return all(
+            a == w if w is not None else not is_option(a)
+            for w, a in zip(self.words, argv, strict=True)
+        )
 
     @property
     def text(self) -> str:
@@ -146,8 +163,10 @@ class Grant:
 def parse_grant(card_argv: tuple[str, ...] | None, text: str) -> Pattern:
     """The operator's PATTERN, read against the card's own argv: split as a POSIX
     shell splits words, it has as many words as the argv, each the argv's word or
-    `*`, the first literal. A word that is literally `*` on the card stays literal
-    (the narrower reading); every other mismatch is refused, never guessed."""
+    `*`, the program and the card's options literal (`why_literal`: a `*` there could
+    not match even the card's own command). A word that is literally `*` on the card
+    stays literal (the narrower reading); every other mismatch is refused, never
+    guessed."""
     if card_argv is None:
         raise GrantError(
             "this card's command is shell source, which has no argv: a grant covers argv "
@@ -161,14 +180,25 @@ def parse_grant(card_argv: tuple[str, ...] | None, text: str) -> Pattern:
             f" (the card's argv: {Pattern(tuple(card_argv)).text})"
         )
     for i, (word, card_word) in enumerate(zip(words, card_argv, strict=True)):
-        if word is None and i == 0:
-            raise GrantError("the first word (the program) of a grant pattern stays literal")
+        if word is None and (why := why_literal(card_argv, i)) is not None:
+            raise GrantError(f"word {i + 1} of the grant pattern cannot be *: {why}")
         if word is not None and word != card_word:
             raise GrantError(
                 f"word {i + 1} of the grant pattern is {quote_word(word)}, the card's is "
                 f"{quote_word(card_word)}: each word is the card's own, or * (unquoted)"
             )
     return Pattern(tuple(words))
+
+
+def why_literal(argv: tuple[str, ...], index: int) -> str | None:
+    """Why word `index` of a card's argv (0: the program) cannot become a `*` in a
+    pattern, or None when it can. Without the word's number: `parse_grant` counts the
+    program as word 1, the prompt's digits count it as 0."""
+    if index == 0:
+        return "it is the first word (the program), which a grant pattern keeps literal"
+    if is_option(argv[index]):
+        return f"{quote_word(argv[index])} is an option, and {OPTION_KEPT}"
+    return None
 
 
 def split_pattern(text: str) -> list[str | None]:

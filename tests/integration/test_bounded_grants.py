@@ -9,8 +9,10 @@ APPROVAL_TIMEOUT or NO_APPROVER: a command that completes was covered by the gra
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,5 +239,106 @@ def test_the_prompt_widens_a_yes_to_a_grant_one_key_a_step(granting: Bastion) ->
         term.answer("y")
         assert control.wait(rid).rc == 0
         carded(granting, control, "echo restart y")
+    finally:
+        term.close()
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> tuple[str, Path]:
+    """`tar -C OUT -xf ARCHIVE` on the target (the fixture sshd's host is this machine):
+    an archive of members `a` and `b`, and the empty directory they are extracted to."""
+    out, path = tmp_path / "out", tmp_path / "members.tar"
+    out.mkdir()
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name in ("a", "b"):
+            data = f"member {name}\n".encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return f"tar -C {out} -xf {path}", out
+
+
+def test_a_star_never_covers_an_option_word(
+    granting: Bastion, archive: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Issue 32 item 2: a grant's `*` matched option words, so `tar -C OUT -xf ARCHIVE *`
+    ran `... '--to-command=touch MARKER'` (a command per member) without a card. As in
+    `allow` and `preapproved` rules, a `*` matches no word that begins with `-`: the
+    attack raises a card (denied here) and the marker never appears. The control: a
+    member's name in the same place is covered and extracted. Widening a card's own
+    option (`tar * OUT ...`) is refused with why, the card left open."""
+    b = granting
+    base, out = archive
+    marker = tmp_path / "marker"
+    agent = b.agent()
+    first_command(b, agent, f"{base} a", "--grant", f"{base} *", "--uses", "2")
+    assert (out / "a").read_text() == "member a\n"
+
+    attack = f"'--to-command=touch {marker}'"
+    rid = agent.start(f"{base} {attack}")
+    cards = b.op("pending", wait=20)
+    ran = agent.wait(rid) if not cards else None
+    assert cards and not marker.exists(), f"covered by the grant: {ran}, marker {marker.exists()}"
+    card = cards[0]
+    assert card["kind"] == "command" and card["argv"][-1] == f"--to-command=touch {marker}"
+    widened = base.replace("-C", "*", 1)  # the card's own option as a *: could never match
+    refused = b.cli(
+        "decide",
+        card["id"],
+        "approve",
+        "--grant",
+        f"{widened} {attack}",
+        "--uses",
+        "2",
+        check=False,
+    )
+    assert refused.returncode != 0, refused.stdout
+    assert "word 2 of the grant pattern cannot be *: -C is an option" in refused.stderr
+    assert "keep the option as spelled" in refused.stderr
+    assert [c["id"] for c in b.op("pending")] == [card["id"]]  # refused whole: still open
+    b.answer(card, False)
+    assert agent.wait(rid).code == "CALL_DENIED"
+    assert not marker.exists()
+    assert live_grants(b)[0]["uses_left"] == 2  # the attack took no use
+
+    rid = agent.start(f"{base} b")  # the control: a plain word where the * stands
+    result = agent.wait(rid, timeout=60)
+    assert result.rc == 0, result.stderr
+    assert (out / "b").read_text() == "member b\n" and b.op("pending") == []
+    assert live_grants(b)[0]["uses_left"] == 1 and not marker.exists()
+
+
+def test_the_prompt_keeps_the_cards_options_as_spelled(
+    granting: Bastion, archive: tuple[str, Path]
+) -> None:
+    """`bastion approve` in a real pty: after g, the card's options are marked as staying;
+    a digit on one widens nothing and says why; a digit on the member widens it."""
+    base, out = archive
+    term = Terminal(
+        [sys.executable, "-m", "bastion.cli", "--home", str(granting.home.root), "approve"]
+    )
+    try:
+        term.expect("waiting for cards")
+        agent = granting.agent()
+        rid = agent.start(f"{base} a")
+        term.expect("session approval")
+        term.answer("y")
+        term.expect("g widens a yes")
+        step = GUARD + 0.2  # each key a read of its own, past the guard
+        for key, shown in (
+            ("g", "-C  (an option: stays as spelled)"),
+            ("1", "word 1 cannot be *: -C is an option"),
+            ("3", "word 3 cannot be *: -xf is an option"),
+            ("5", f"pattern: {base} *"),
+            ("\r", "for: 1) 1 use"),
+            ("1", "for 1 use"),
+            ("\r", "approved, with grant grt_"),
+        ):
+            time.sleep(step)
+            term.type(key)
+            term.expect(shown)
+        assert agent.wait(rid).rc == 0 and (out / "a").exists()
+        (grant,) = live_grants(granting)
+        assert grant["pattern"] == f"{base} *"
     finally:
         term.close()

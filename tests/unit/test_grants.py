@@ -8,7 +8,10 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from bastion.core.command import is_option
 from bastion.core.contract import Code, Failure
 from bastion.core.events import EventType, Outcome, Result, activity, export_event
 from bastion.core.gate import CardKind, Request
@@ -20,6 +23,7 @@ from bastion.core.grants import (
     parse_grant,
     quote_word,
     split_pattern,
+    why_literal,
 )
 from bastion.core.policy import PolicyError, build_policy, entry_digest
 from bastion.core.stdin import Stdin, StdinEnd
@@ -51,7 +55,8 @@ def test_a_star_replaces_one_whole_word_and_the_rest_stay_the_cards() -> None:
     assert p == Pattern(("systemctl", "restart", None))
     assert p.text == "systemctl restart *"
     assert p.matches(("systemctl", "restart", "b"))
-    assert p.matches(("systemctl", "restart", "--now"))  # one word, any value
+    assert p.matches(("systemctl", "restart", "now"))  # one word, any value but an option
+    assert not p.matches(("systemctl", "restart", "--now"))  # never an option (below)
     assert not p.matches(("systemctl", "stop", "b"))
     assert not p.matches(("systemctl", "restart"))  # never fewer words
     assert not p.matches(("systemctl", "restart", "b", "c"))  # never any number of words
@@ -84,6 +89,113 @@ def test_a_pattern_that_is_not_the_cards_words_or_a_star_is_refused(
     with pytest.raises(GrantError) as refused:
         parse_grant(ARGV, text)
     assert fragment in str(refused.value)
+
+
+MAKE = ("make", "-C", "/srv/app", "x")
+
+
+@pytest.mark.parametrize(
+    "word", ["--eval=x:;touch /tmp/m", "-f/tmp/evil.mk", "-", "--", "--x=y", "-C"]
+)
+def test_a_star_never_matches_an_option_word(word: str) -> None:
+    """Issue 32 item 2: `make -C DIR *` admitted `make -C DIR '--eval=...'`. As in every
+    admitting rule, a `*` covers no word that begins with `-` (`is_option`)."""
+    p = parse_grant(MAKE, "make -C /srv/app *")
+    assert p.matches(MAKE) and p.matches(("make", "-C", "/srv/app", "all"))  # the control
+    assert p.matches(("make", "-C", "/srv/app", "x-y"))  # a `-` inside a word: no option
+    assert not p.matches(("make", "-C", "/srv/app", word))
+
+
+def test_an_option_is_covered_where_the_pattern_spells_it_as_the_cards_own_word() -> None:
+    p = parse_grant(MAKE, "make -C * x")
+    assert p.words == ("make", "-C", None, "x")
+    assert p.matches(("make", "-C", "/srv/other", "x"))
+    assert not p.matches(("make", "-f", "/srv/other", "x"))  # another option: not the card's
+    assert not p.matches(("make", "-C", "--eval=x", "x"))
+
+
+@pytest.mark.parametrize(
+    "argv,text,fragment",
+    [
+        (MAKE, "make * /srv/app x", "word 2 of the grant pattern cannot be *: -C is an option"),
+        (MAKE, "make * * *", "word 2 of the grant pattern cannot be *: -C is an option"),
+        ((*MAKE, "-"), "make -C /srv/app x *", "word 5 of the grant pattern cannot be *: - is"),
+        (("tar", "--to-command=a b"), "tar *", "'--to-command=a b' is an option"),
+    ],
+)
+def test_widening_one_of_the_cards_options_is_refused_with_why(
+    argv: tuple[str, ...], text: str, fragment: str
+) -> None:
+    """A `*` where the card has an option could not match even the card's own command:
+    refused, saying which word, why, and what to write instead -- never made inert."""
+    with pytest.raises(GrantError) as refused:
+        parse_grant(argv, text)
+    said = str(refused.value)
+    assert fragment in said
+    assert "a * never matches a word that begins with -" in said
+    assert "keep the option as spelled" in said
+
+
+def test_why_a_word_stays_literal_the_program_and_the_cards_options() -> None:
+    assert why_literal(MAKE, 0) is not None and "program" in str(why_literal(MAKE, 0))
+    assert "-C is an option" in str(why_literal(MAKE, 1))
+    assert why_literal(MAKE, 2) is None and why_literal(MAKE, 3) is None
+    quoted = why_literal(("tar", "--to-command=touch m"), 1)
+    assert quoted is not None and quoted.startswith("'--to-command=touch m' is an option")
+
+
+WORDS = st.one_of(
+    st.text(alphabet="-=abx*/ ", min_size=0, max_size=6),
+    st.sampled_from(["-", "--", "-C", "--eval=x", "all", "*", ""]),
+)
+OPTIONS = st.text(alphabet="-=abx*/ ", max_size=6).map(lambda w: "-" + w)
+
+
+@given(
+    st.lists(WORDS, min_size=1, max_size=6).flatmap(
+        lambda argv: st.tuples(
+            st.just(tuple(argv)),
+            st.sets(st.integers(0, len(argv) - 1)),
+            st.lists(OPTIONS, min_size=len(argv), max_size=len(argv)),
+        )
+    )
+)
+def test_a_wildcard_never_covers_an_option_word(
+    case: tuple[tuple[str, ...], set[int], list[str]],
+) -> None:
+    """For any argv and any of its words as `*` (a pattern built directly, as a record
+    anyone may build, so parse_grant's refusals do not hide it): the pattern covers the
+    argv exactly when no `*` stands on an option, and an option put where a `*` stands
+    is never covered."""
+    argv, wild, options = case
+    pattern = Pattern(tuple(None if i in wild else w for i, w in enumerate(argv)))
+    assert pattern.matches(argv) is not any(is_option(argv[i]) for i in wild)
+    for i in wild:
+        assert not pattern.matches((*argv[:i], options[i], *argv[i + 1 :]))
+
+
+@given(
+    st.lists(WORDS, min_size=1, max_size=6).flatmap(
+        lambda argv: st.tuples(st.just(tuple(argv)), st.sets(st.integers(0, len(argv) - 1)))
+    )
+)
+def test_a_pattern_parse_grant_makes_always_matches_its_cards_own_command(
+    case: tuple[tuple[str, ...], set[int]],
+) -> None:
+    """Widen any words of any card: either refused (the program or an option among them,
+    named) or a pattern that covers the card's own command and no option at a `*`."""
+    argv, wild = case
+    text = " ".join("*" if i in wild else quote_word(w) for i, w in enumerate(argv))
+    kept = [i for i in sorted(wild) if why_literal(argv, i) is not None]
+    if kept:
+        with pytest.raises(GrantError, match=f"word {kept[0] + 1} of the grant pattern"):
+            parse_grant(argv, text)
+        return
+    pattern = parse_grant(argv, text)
+    assert pattern.matches(argv)
+    assert all(not is_option(argv[i]) for i in wild)
+    for i in wild:
+        assert not pattern.matches((*argv[:i], "--eval=x", *argv[i + 1 :]))
 
 
 def test_quoted_words_are_literal_and_a_quoted_star_is_a_star() -> None:
@@ -324,6 +436,22 @@ async def test_shell_source_and_other_argv_raise_cards(command: bytes) -> None:
     rig.life.authority.answer(card.id, False)
     assert isinstance(await task, Failure)
     assert rig.life.book.grants()[0].uses_left == 5
+
+
+async def test_an_option_where_the_star_stands_raises_a_card_and_takes_no_use() -> None:
+    """The request path: `systemctl restart *` does not cover `systemctl restart --force`
+    (nor `--`): each raises a command card; a plain word there is covered (the control)."""
+    rig = Rig()
+    await rig.granted(uses=5)
+    for command in (b"systemctl restart --force", b"systemctl restart --", b"systemctl restart -"):
+        task = rig.send(command)
+        card = await rig.card()
+        assert card.kind is CardKind.COMMAND and card.argv[2].startswith("-")
+        rig.life.authority.answer(card.id, False)
+        assert isinstance(await task, Failure)
+    assert rig.life.book.grants()[0].uses_left == 5
+    await rig.no_card(rig.send(b"systemctl restart force"))
+    assert rig.life.book.grants()[0].uses_left == 4
 
 
 async def test_the_account_rules_come_first_a_grant_never_widens_them() -> None:

@@ -15,10 +15,13 @@ from bastion.cli.promptkeys import (
     PASTE_START,
     Act,
     Decision,
+    GrantDraft,
     Mode,
     decide,
     one_key,
 )
+from bastion.core.command import is_option
+from bastion.core.grants import parse_grant
 
 LATER = GUARD + 1.0  # long after the card changed
 
@@ -172,3 +175,37 @@ def test_a_grant_is_chosen_one_key_a_step_and_confirmed_with_enter() -> None:
         assert decide(mode, "\r", 0.1, True).acts == (Act.CANCEL, Act.IGNORED_GUARD)
     assert decide(Mode.GRANT_BOUND, "9", late, True).acts == (Act.CANCEL,)  # no such bound
     assert decide(Mode.IDLE, "g", late, False).acts == ()  # no card: nothing to widen
+
+
+def test_a_digit_on_one_of_the_cards_options_widens_nothing_and_says_why() -> None:
+    """A `*` never matches an option (`core/grants`), so the prompt never drafts one there:
+    the digit leaves the draft as it was, with the reason to show, as for a missing word."""
+    draft = GrantDraft(("make", "-C", "/srv/app", "x"))
+    assert draft.toggled("1") is None
+    why = draft.why_not("1")
+    assert why is not None and why.startswith("word 1 cannot be *: -C is an option")
+    assert "a * never matches a word that begins with -" in why
+    assert draft.why_not("9") == "no word 9 to widen" and draft.toggled("9") is None
+    widened = draft.toggled("3")
+    assert widened is not None and draft.why_not("3") is None
+    assert widened.pattern() == "make -C /srv/app *"
+    assert widened.toggled("3") == draft  # again: back
+
+
+@given(
+    st.lists(
+        st.sampled_from(["-C", "--", "-", "--eval=x", "dir", "a b", "*", "x-y"]),
+        min_size=1,
+        max_size=9,
+    ),
+    st.lists(st.sampled_from("123456789"), max_size=12),
+)
+def test_any_digits_draft_a_pattern_the_gateway_accepts_for_the_cards_own_command(
+    words: list[str], keys: list[str]
+) -> None:
+    argv = ("make", *words)
+    draft = GrantDraft(argv)
+    for key in keys:
+        draft = draft.toggled(key) or draft
+    assert not any(is_option(argv[i]) for i in draft.wild)
+    assert parse_grant(argv, draft.pattern()).matches(argv)
