@@ -7,8 +7,11 @@ decides nothing: `systemctl status x; id` starts with `systemctl status `.
 characters, `'single'` and `"double"` quoted text without `$`, a backquote,
 a backslash or `!` inside, separated by blanks. A word is judged where the
 shell judges it, after quote removal too: zsh expands `''=ls` as it does
-`=ls`, and runs `'ex'ec` as `exec`. Anything else is *shell source*,
-reported with every construct found and its byte offset. When in doubt it is
+`=ls`, and runs `'ex'ec` as `exec`; and its first word is neither a keyword
+(`RESERVED`) nor a *code builtin*, one that runs one of its words or a file as
+shell code (`trap 'a; b' EXIT`, `. FILE`: `CODE_BUILTINS`, one table with the
+shells each comes from). Anything else is *shell source*, reported with every
+construct found and its byte offset. When in doubt it is
 shell source: a plain command that reads as source only costs a card, a
 source command that read as plain would cost the target.
 
@@ -69,15 +72,91 @@ _QUOTED = {
     "\\": "backslash inside quotes",
     "!": "history expansion inside quotes",
 }
-# A command position taken by one of these changes the grammar of what follows.
-_RESERVED = frozenset(
+# A command position taken by one of these changes the grammar of what follows, or runs
+# the next word as the command (the code builtins, which run code, are CODE_BUILTINS).
+RESERVED = frozenset(
     {
         *("if", "then", "else", "elif", "fi", "case", "esac", "for", "select", "while"),
         *("until", "do", "done", "in", "function", "time", "coproc", "repeat", "foreach"),
-        *("nocorrect", "noglob", "builtin", "command", "exec", "eval"),
+        *("nocorrect", "noglob", "builtin", "command", "exec"),
         "-",  # zsh's precommand modifier: `'-' touch x` runs touch
     }
 )
+
+
+class Runs(enum.Enum):
+    """When a code builtin's shell code runs."""
+
+    NOW = "now"  # the builtin runs it itself
+    LATER = "later"  # at a signal, the shell's exit, or in a later command of the same shell
+    EDITOR = "editor"  # when an interactive line editor fires (a key, a prompt, a completion)
+
+
+@dataclass(frozen=True)
+class CodeBuiltin:
+    """A builtin that runs one of its words, or a file, as shell code: its words may be
+    plain, its command is shell source all the same. `shells` are where it does so."""
+
+    name: str
+    shells: tuple[str, ...]
+    runs: Runs
+    how: str  # completes "a builtin that ..."
+
+    def describe(self) -> str:
+        return f"a builtin that {self.how} ({', '.join(self.shells)})"
+
+
+_ALL = ("bash", "dash", "zsh", "ksh", "mksh", "busybox sh")
+_COMPOUND_ARRAY = "reads a quoted name=(...) word as an array whose words expand again"
+# One table; tests/integration/test_code_builtins.py runs each entry in the shells it
+# names, and holds every builtin those shells list to this table, RESERVED, or a
+# reviewed list of builtins that run nothing. A shell a target may have is reason
+# enough: the reader cannot know which shell a target runs.
+CODE_BUILTINS: tuple[CodeBuiltin, ...] = (
+    CodeBuiltin(".", _ALL, Runs.NOW, "runs a file as shell code"),
+    CodeBuiltin(
+        "source",
+        ("bash", "zsh", "ksh", "mksh", "busybox sh"),
+        Runs.NOW,
+        "runs a file as shell code",
+    ),
+    CodeBuiltin("eval", _ALL, Runs.NOW, "runs its words as shell code"),
+    CodeBuiltin("trap", _ALL, Runs.LATER, "runs a word as shell code at a signal or at exit"),
+    CodeBuiltin("alias", _ALL, Runs.LATER, "makes a word into shell code for later commands"),
+    CodeBuiltin(
+        "fc", ("bash", "zsh", "ksh", "mksh"), Runs.NOW, "runs its editor and history as shell code"
+    ),
+    CodeBuiltin("hist", ("ksh",), Runs.NOW, "runs its editor and history as shell code"),
+    CodeBuiltin("r", ("zsh", "mksh"), Runs.NOW, "runs a line of history as shell code"),
+    CodeBuiltin("emulate", ("zsh",), Runs.NOW, "with -c, runs a word as shell code"),
+    CodeBuiltin(
+        "autoload", ("zsh", "ksh", "mksh"), Runs.NOW, "loads shell code from a file (-k: runs it)"
+    ),
+    CodeBuiltin("zmodload", ("zsh",), Runs.NOW, "loads a compiled module into the shell"),
+    CodeBuiltin("zregexparse", ("zsh",), Runs.NOW, "runs its {actions} as shell code"),
+    CodeBuiltin("enable", ("bash",), Runs.NOW, "with -f, loads a compiled builtin into the shell"),
+    CodeBuiltin("mapfile", ("bash",), Runs.NOW, "with -C, runs a word as shell code"),
+    CodeBuiltin("readarray", ("bash",), Runs.NOW, "with -C, runs a word as shell code"),
+    CodeBuiltin("compgen", ("bash",), Runs.NOW, "with -C or -F, runs a command or a function"),
+    *(
+        CodeBuiltin(name, ("bash",), Runs.NOW, _COMPOUND_ARRAY)
+        for name in ("declare", "typeset", "local", "export", "readonly")
+    ),
+    CodeBuiltin("zstyle", ("zsh",), Runs.LATER, "with -e, stores shell code each lookup runs"),
+    CodeBuiltin("sched", ("zsh",), Runs.EDITOR, "runs its words as shell code before a prompt"),
+    CodeBuiltin("bind", ("bash",), Runs.EDITOR, "with -x, binds a key to shell code"),
+    CodeBuiltin("complete", ("bash",), Runs.EDITOR, "with -C or -F, stores code completion runs"),
+    CodeBuiltin("compctl", ("zsh",), Runs.EDITOR, "with -K, stores a function completion runs"),
+    CodeBuiltin("zle", ("zsh",), Runs.EDITOR, "with -N or -F, makes a function line-editor code"),
+)
+RUNS_CODE = {b.name: b for b in CODE_BUILTINS}
+
+
+def code_builtin(word: str) -> CodeBuiltin | None:
+    """The table's entry for a command's first word (after quote removal), if any."""
+    return RUNS_CODE.get(word)
+
+
 _PATTERN_CHARS = frozenset("*?[]")  # rules: glob characters are pattern syntax, not shell
 _BLANKS = frozenset(" \t")
 REST = "..."  # a rule's final word: any further words
@@ -197,9 +276,11 @@ def read_command(command: str) -> Reading:
         found.append((0, "-", "a leading '-': the target's shell reads it as its own option"))
     if words and "=" in words[0] and not found:
         found.append((command.index("="), "=", "variable assignment before the command"))
-    if words and words[0] in _RESERVED and not found:
-        start = len(command) - len(command.lstrip(" \t"))
+    start = len(command) - len(command.lstrip(" \t"))
+    if words and words[0] in RESERVED and not found:
         found.append((start, words[0], "a shell keyword or builtin that runs what follows"))
+    elif words and (runs := code_builtin(words[0])) is not None:  # `'trap' ...` is trap
+        found.append((start, words[0], runs.describe()))
     if not found:
         return Reading(tuple(words))
     found.sort()
@@ -634,7 +715,22 @@ def parse_rule(text: str, kind: RuleKind) -> WordRule:
         raise RuleError(f"rule {text!r} names no command")
     if REST in words:
         raise RuleError(f'rule {text!r}: "..." may only be the last word')
+    if kind is not RuleKind.DENY and (why := _source_by_name(words[0])) is not None:
+        raise RuleError(
+            f"rule {text!r} could never match: {words[0]!r} is {why}, so every command that "
+            "begins with it is shell source, which an allow or preapproved rule never admits "
+            '(the account\'s "shell" mode decides it). Write a rule for the program it would '
+            "run instead, or a deny rule to refuse it"
+        )
     return WordRule(text, tuple(words), rest, kind)
+
+
+def _source_by_name(word: str) -> str | None:
+    """Why a command beginning with this word is shell source whatever its words are."""
+    if word in RESERVED:
+        return "a shell keyword or builtin that runs what follows"
+    runs = code_builtin(word)
+    return None if runs is None else runs.describe()
 
 
 def _quote(value: object) -> str:

@@ -33,6 +33,7 @@ from bastion.core.command import (
     RuleKind,
     Unspelled,
     WordRule,
+    code_builtin,
     no_match,
     parse_rules,
     read_command,
@@ -520,6 +521,21 @@ def build_policy(files: Iterable[tuple[str, str, str]]) -> Policy:
     return Policy(MappingProxyType(hosts), digest, tuple(sources))
 
 
+def _plain_only(who: str, reading: Reading) -> str:
+    """Why shell source is refused on a `shell = "deny"` account, and what to send."""
+    said = (
+        f"{who} runs plain commands only (words, 'quoted' or \"quoted\", separated by "
+        f"spaces), and this one uses shell syntax: {reading.summary()}. "
+    )
+    first = reading.constructs[0].text if reading.constructs else ""
+    if code_builtin(first) is not None:  # the reader lists the first word's builtin first
+        return said + (
+            f"{first!r} makes a command shell source however plain its words are. Send "
+            "the program it would run, with its arguments, as its own command"
+        )
+    return said + "Send one program and its arguments, without ; | & $ ` < > or newlines"
+
+
 def check_command(account: Account, command: str) -> CommandCheck:
     """What the account's rules say of this command, read as the target's shell reads it.
 
@@ -536,14 +552,7 @@ def check_command(account: Account, command: str) -> CommandCheck:
             return CommandCheck(False, rule.text, reason, reading)
     if reading.argv is None:
         if account.shell is ShellMode.DENY:
-            return CommandCheck(
-                False,
-                None,
-                f"{who} runs plain commands only (words, 'quoted' or \"quoted\", separated by "
-                f"spaces), and this one uses shell syntax: {reading.summary()}. Send one "
-                "program and its arguments, without ; | & $ ` < > or newlines",
-                reading,
-            )
+            return CommandCheck(False, None, _plain_only(who, reading), reading)
         what = "needs a command card" if account.shell is ShellMode.CARD else "is allowed"
         return CommandCheck(
             True, None, f"shell source ({reading.summary()}); for {who} it {what}", reading

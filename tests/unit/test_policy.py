@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -552,3 +553,47 @@ def test_pty_is_off_by_default_and_only_a_pty_account_digests_it() -> None:
     assert entry_digest(host, plain) == entry_digest(host, off) != entry_digest(host, on)
     with pytest.raises(PolicyError, match='field "pty" must be true or false'):
         account_of('pty = "yes"')
+
+
+# --- builtins that run shell code (issue 32, item 3) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", ["trap 'touch a; touch b' EXIT", ". ./f", "'source' f", "fc -e vi"]
+)
+def test_a_plain_only_account_refuses_a_code_builtin_and_says_what_to_send(command: str) -> None:
+    check = check_command(account_of('shell = "deny"'), command)
+    assert not check.allowed and check.reading.argv is None
+    first = check.reading.constructs[0]
+    assert first.offset == 0 and first.what.startswith("a builtin that ")
+    assert f"{first.text!r} makes a command shell source however plain its words are" in (
+        check.reason
+    )
+    assert "Send the program it would run" in check.reason
+    assert check_command(account_of('shell = "allow"'), command).allowed  # the control
+
+
+def test_other_shell_source_keeps_the_plain_advice() -> None:
+    check = check_command(account_of('shell = "deny"'), "ls; id")
+    assert check.reason.endswith("without ; | & $ ` < > or newlines")
+
+
+@pytest.mark.parametrize(
+    "rule", ["trap *", "source ...", ". *", "eval ...", "exec ls", "time make"]
+)
+@pytest.mark.parametrize("field", ["allow", "preapproved"])
+def test_an_admitting_rule_that_begins_with_shell_source_is_refused(rule: str, field: str) -> None:
+    approval = "per-command" if field == "preapproved" else "session"
+    extra = f"{field} = {json.dumps([rule])}"
+    with pytest.raises(PolicyError) as info:
+        account_of(extra, approval=approval)
+    message = str(info.value)
+    assert f"rule {rule!r} could never match" in message, message
+    assert "shell source, which an allow or preapproved rule never admits" in message
+    assert "Write a rule for the program it would run instead" in message
+
+
+def test_a_deny_rule_may_name_a_code_builtin() -> None:
+    account = account_of('deny = ["trap *"]')  # a guardrail: one glob over the text
+    assert not check_command(account, "trap x EXIT").allowed
+    assert check_command(account, "true").allowed
