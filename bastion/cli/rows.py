@@ -122,6 +122,8 @@ def command_text(row: Mapping[str, Any]) -> str:
     f = row.get("file")
     if isinstance(f, Mapping):
         what = f"{f.get('op')} {f.get('path')}" + (f" -> {f['to']}" if f.get("to") else "")
+        if isinstance(f.get("acts_on"), list) and f["acts_on"]:
+            what += " (at " + " -> ".join(str(p) for p in f["acts_on"]) + ")"
         return escape_text(what)
     command = row.get("command")
     if not isinstance(command, str):

@@ -416,6 +416,9 @@ def activity(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
             row.update(
                 session_id=entry.meta.get("session_id"), outcome=RequestState.IN_FLIGHT.value
             )
+            if e.get("acts_on") and isinstance(row.get("file"), dict):
+                # where a symlink on the way took the operation (`sftp`, the walk)
+                row["file"] = {**row["file"], "acts_on": e["acts_on"]}
         elif kind is EventType.CERTIFICATE_ISSUED:
             row["certificate"] = certificate_of(entry)
         elif kind is EventType.GRANT_USED:

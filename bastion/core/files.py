@@ -31,6 +31,7 @@ import enum
 import hashlib
 import json
 import re
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from bastion.core.contract import Exit
@@ -52,6 +53,7 @@ class FileKind(enum.Enum):
     MKDIR = "mkdir"
     RMDIR = "rmdir"
     SETSTAT = "setstat"  # mode, owner, times or size of a path
+    LINK = "link"  # making a symlink or a hard link: always refused (`NO_LINKS`)
 
 
 MUTATIONS = frozenset(
@@ -62,7 +64,16 @@ MUTATIONS = frozenset(
         FileKind.MKDIR,
         FileKind.RMDIR,
         FileKind.SETSTAT,
+        FileKind.LINK,
     }
+)
+
+# Why a link is never made: the files rules judge paths, and a link would make one path
+# lead to another after they judged it (or be a second name for a file outside them).
+NO_LINKS = (
+    "bastion does not create symlinks or hard links: a link would make a path lead "
+    "somewhere the files rules did not judge. Copy the file instead (put it again under "
+    "the new name)."
 )
 
 
@@ -76,11 +87,15 @@ class FileOp:
 
     `size` and `sha256` are those of the exact bytes of a write that was buffered
     whole (a per-command account's), or of what went through, once a streamed one
-    closed; `mode` the permission bits asked for. `resolved` is what the target said
-    the path (and `to`) resolves to: observed after the gate's first word, checked by
-    `check_file` like the path, and not part of the digest (the card shows what was
-    asked; the target's resolution is looked at again right before it leaves); `home`
-    likewise (what `~/` rules are matched against)."""
+    closed; for a setstat, `size` is the length the file is cut or grown to. `mode`,
+    `owner` and `times` are what a setstat (or an open's, a mkdir's mode) sets, each
+    None when it leaves it as it is. `follow`: whether the last name is followed
+    (`stat`, `setstat`) or acted on itself (`lstat`, `readlink`, `lsetstat`).
+    `resolved` is where the walk on the target found the path (and `to`) to lead
+    (`walk`): observed after the gate's first word, checked by `check_file` like the
+    path, and not part of the digest (the card shows what was asked, and a card's
+    path must be where it leads: `gate.file_resolved`); `home` likewise (what `~/`
+    rules are matched against)."""
 
     kind: FileKind
     path: str
@@ -91,10 +106,13 @@ class FileOp:
     resolved: tuple[str, ...] = ()
     home: str | None = None  # the account's home as the target reported it, if seen
     whole: bool = True  # a write replaces the file (truncates it first); False: in place
+    owner: tuple[int, int] | None = None  # a setstat's (uid, gid)
+    times: tuple[int, int] | None = None  # a setstat's (atime, mtime), seconds
+    follow: bool = True
 
     @property
     def digest(self) -> str:
-        doc = {
+        doc: dict[str, object] = {
             "v": 1,
             "kind": "bastion.file-op",
             "op": self.kind.value,
@@ -105,12 +123,24 @@ class FileOp:
             "mode": self.mode,
             "whole": self.whole,
         }
+        # Named only when set, so every digest made before they existed stays the same.
+        if self.owner is not None:
+            doc["owner"] = list(self.owner)
+        if self.times is not None:
+            doc["times"] = list(self.times)
+        if not self.follow:
+            doc["follow"] = False
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @property
     def mutates(self) -> bool:
         return self.kind in MUTATIONS
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths it names: its path, and a rename's new one."""
+        return (self.path,) if self.to is None else (self.path, self.to)
 
     def as_json(self) -> dict[str, object]:
         """What a card, the journal and the agent's `request` answers say of it: never
@@ -123,7 +153,7 @@ class FileOp:
             "sha256": self.sha256,
             "mode": None if self.mode is None else f"{self.mode & 0o7777:04o}",
             "digest": self.digest,
-        }
+        } | _changes_json(self)
 
     def summary(self) -> str:
         """One line for the gateway's log and the operator's notices."""
@@ -134,7 +164,25 @@ class FileOp:
             what += f", {self.size} bytes"
         if self.sha256 is not None:
             what += f", sha256 {self.sha256[:16]}"
+        if self.mode is not None and self.kind is FileKind.SETSTAT:
+            what += f", mode {self.mode & 0o7777:04o}"
+        if self.owner is not None:
+            what += f", owner {self.owner[0]}:{self.owner[1]}"
+        if self.times is not None:
+            what += f", times {self.times[0]} {self.times[1]}"
         return what
+
+
+def _changes_json(op: FileOp) -> dict[str, object]:
+    """A setstat's owner and times, and a name acted on itself, where they are set."""
+    out: dict[str, object] = {}
+    if op.owner is not None:
+        out["owner"] = f"{op.owner[0]}:{op.owner[1]}"
+    if op.times is not None:
+        out["times"] = {"atime": op.times[0], "mtime": op.times[1]}
+    if not op.follow:
+        out["follow"] = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -300,6 +348,12 @@ def absolute(path: str, home: str | None) -> str | None:
     return "/" + "/".join(kept)
 
 
+def json_text(text: str) -> str:
+    """A path as a message quotes it: JSON escapes control bytes (the display escapes
+    the rest where a person reads it)."""
+    return json.dumps(text, ensure_ascii=True)
+
+
 def _first(rules: tuple[PathRule, ...], path: str, home: str | None) -> PathRule | None:
     return next((r for r in rules if r.matches(path, home)), None)
 
@@ -355,3 +409,140 @@ def sftp_status(exit_status: int) -> int:
     person or the policy made (exit status 77) reads as permission denied, anything
     else as a failure; the words are on the channel's stderr as the JSON error line."""
     return FX_PERMISSION_DENIED if exit_status == int(Exit.DENIED) else FX_FAILURE
+
+
+# -- where a path leads on the target: the bounded walk --------------------------------
+#
+# The target's own `realpath` cannot be the judge: OpenSSH's sftp-server gives up after
+# 33 symlinks and answers "no such file", while the kernel's open() follows 40, so a chain
+# of 34..40 links inside an allowed tree read as "does not exist" and the bytes landed
+# where its last link pointed. Nor can a link be refused at open: SFTP v3 has no
+# O_NOFOLLOW. So the gateway resolves every path itself, one component at a time, with
+# `lstat` and `readlink` on the target (`walk`), and the operation is then sent for the
+# path the walk found -- which has no symlink in it, so the target's kernel follows none
+# unless one is made after the walk. Bastion's own file operations on one target
+# account are carried one at a time from their walk to the target's answer
+# (`gateway/sftp.py`), so none of them can make one in between.
+
+MAX_LINKS = 32  # symlinks one walk follows; fewer than the kernel's 40 and sftp-server's 33
+
+
+class Node(enum.Enum):
+    """What the target says one path is, without following it (an `lstat`)."""
+
+    DIRECTORY = "directory"
+    LINK = "symlink"
+    OTHER = "other"  # a file, a device, a socket: nothing can be below it
+    MISSING = "missing"  # no such file, or something above it is not a directory
+    UNKNOWN = "unknown"  # the target would not say (permission denied, another error)
+
+
+@dataclass(frozen=True)
+class Lstat:
+    """The walk asks what each of these paths is, in order; the edge answers one `Node`
+    each. They may be sent at once: an answer past the first link is never read."""
+
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Readlink:
+    """The walk asks for a symlink's text; the edge answers it, or None if unreadable."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Where one path of a file operation leads: `path`, the one to act on (no symlink
+    in it, as the target answered the walk), or None and `why` when that cannot be told
+    exactly; `links`, how many symlinks the walk followed to get there."""
+
+    path: str | None
+    why: str = ""
+    links: int = 0
+
+
+def follows_last(op: FileOp) -> bool:
+    """Whether the operation acts on what its path's last name leads to (open, list,
+    stat, setstat) or on that name itself (remove, rename, mkdir, rmdir, lstat,
+    readlink, lsetstat): the kernel's own rule for each call."""
+    return op.follow and op.kind not in NAME_ITSELF
+
+
+NAME_ITSELF = frozenset(
+    {FileKind.REMOVE, FileKind.RENAME, FileKind.MKDIR, FileKind.RMDIR, FileKind.LINK}
+)
+
+# One walk's questions and answers; a generator the edge drives (`gateway/sftp.py`).
+Walk = Generator[Lstat | Readlink, "tuple[Node, ...] | str | None", Resolution]
+
+
+def walk(path: str, follow: bool) -> Walk:
+    """Resolve an absolute, folded path as the target's kernel will, asking the edge what
+    each component is. Symlinks are followed (at most `MAX_LINKS`) and their texts
+    spliced in, `..` taken after a link as the kernel takes it; the last name is followed
+    only when `follow`. A path whose final target cannot be told exactly is a
+    `Resolution` without a path: too many links (a chain or a loop), a link whose text
+    cannot be read, a component the target would not describe, a symlink that leads to
+    nothing (a write through it would create a file the walk never saw). A missing name
+    the agent spelled is no such case: nothing below it exists, and the target answers
+    so."""
+    done = ""  # the resolved prefix: directories only, no link in it ("" is the root)
+    todo = [(c, False) for c in path.split("/") if c]  # (name, whether a link's text gave it)
+    links = 0
+    while todo:
+        name = todo[0][0]
+        if name in (".", ".."):
+            done = done.rsplit("/", 1)[0] if name == ".." else done
+            todo.pop(0)
+            continue
+        batch = []
+        for n, _ in todo:
+            if n in (".", ".."):
+                break
+            batch.append(n)
+        if not follow and len(batch) == len(todo):
+            batch.pop()  # the last name is acted on itself: nothing to ask of it
+            if not batch:
+                done = f"{done}/{name}"
+                todo.pop(0)
+                continue
+        prefixes, at = [], done
+        for n in batch:
+            at = f"{at}/{n}"
+            if len(at) > MAX_PATH:
+                return Resolution(None, f"it leads to a path longer than {MAX_PATH} bytes", links)
+            prefixes.append(at)
+        answers = yield Lstat(tuple(prefixes))
+        if not isinstance(answers, tuple) or len(answers) != len(prefixes):
+            return Resolution(None, "the target's answers did not match its questions", links)
+        for here, node in zip(prefixes, answers, strict=True):
+            _, linked = todo.pop(0)
+            if node is Node.DIRECTORY:
+                done = here
+                continue
+            if node is Node.LINK:
+                links += 1
+                if links > MAX_LINKS:
+                    why = f"it goes through more than {MAX_LINKS} symlinks (a chain or a loop)"
+                    return Resolution(None, why, links)
+                text = yield Readlink(here)
+                if not isinstance(text, str) or not text or "\0" in text:
+                    return Resolution(None, f"the symlink {json.dumps(here)} could not be read")
+                if text.startswith("/"):
+                    done = ""
+                todo[0:0] = [(c, True) for c in text.split("/") if c]
+                break
+            if node is Node.UNKNOWN:
+                why = f"the target would not say what {json.dumps(here)} is"
+                return Resolution(None, why, links)
+            if node is Node.OTHER and not todo:
+                return Resolution(here, links=links)  # the file itself
+            # MISSING, or OTHER with names below it: nothing more exists down this path.
+            if linked or any(from_link for _, from_link in todo):
+                gone = "does not exist" if node is Node.MISSING else "is not a directory"
+                why = f"a symlink on the way leads to {json.dumps(here)}, which {gone}"
+                return Resolution(None, why, links)
+            return Resolution("/".join([here, *(n for n, _ in todo)]), links=links)
+    return Resolution(done or "/", links=links)

@@ -57,10 +57,13 @@ from bastion.core.defaults import (
     MAX_PENDING_CARDS_PER_TENANT,
 )
 from bastion.core.files import (
+    NO_LINKS,
     FileCheck,
     FileKind,
     FileOp,
+    Resolution,
     check_file,
+    json_text,
     needs_file_card,
     op_problem,
 )
@@ -433,11 +436,36 @@ def file_card_problem(op: FileOp) -> str | None:
     return None
 
 
-def file_resolved(account: Account, op: FileOp) -> Refusal | None:
-    """The gate's policy step again, once the target said where the operation's paths
-    lead (`FileOp.resolved`: a symlink may point outside the rules), right before it
-    leaves; None when every path, and where it leads, is allowed."""
-    checked = check_file(account.file_rules, account.label, op)
+def file_resolved(account: Account, op: FileOp, found: tuple[Resolution, ...]) -> Refusal | None:
+    """The gate's policy step again, once the walk on the target (`core/files.walk`)
+    found where the operation's paths lead, right before it leaves; None when each
+    leads somewhere exactly known, where it leads is allowed as the path is, and a
+    file card showed the path the operation acts on. The operation is then sent for
+    the paths found (`Resolution.path`), which have no symlink in them."""
+    if op.kind is FileKind.REALPATH:
+        return None  # resolving a name reads no file: the target's own answer is shown
+    asked = op.paths
+    for path, res in zip(asked, found, strict=True):
+        if res.path is None:
+            return Refusal(
+                Code.POLICY_DENIED,
+                f"Policy denies this file operation: bastion cannot tell exactly where "
+                f"{json_text(path)} leads on the target ({res.why}), and the files rules "
+                "judge the path an operation acts on. Name the file itself, the path its "
+                f"symlinks lead to. {NOT_SENT}",
+            )
+    acting = tuple(r.path for r in found if r.path is not None)
+    per_command = account.approval is ApprovalMode.PER_COMMAND
+    if acting != asked and needs_file_card(per_command, op):
+        moved = next((a, b) for a, b in zip(asked, acting, strict=True) if a != b)
+        return Refusal(
+            Code.POLICY_DENIED,
+            f"Policy denies this file operation: {json_text(moved[0])} leads through a "
+            f"symlink to {json_text(moved[1])}, and its file card showed "
+            f"{json_text(moved[0])}; the operator approves the path an operation acts on. "
+            f"Send it for {json_text(moved[1])} itself. {NOT_SENT}",
+        )
+    checked = check_file(account.file_rules, account.label, replace(op, resolved=acting))
     if checked.allowed:
         return None
     return Refusal(
@@ -473,6 +501,8 @@ def unsupported(req: Request, world: World) -> str | None:
         if refused is not None:
             return refused
     if req.file is not None:
+        if req.file.kind is FileKind.LINK:
+            return f"{NO_LINKS} {NOT_SENT}"
         bad = op_problem(req.file)
         return None if bad is None else malformed(bad).message
     problem = validate_command(req.command) or stdin_problem(req.stdin)

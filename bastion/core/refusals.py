@@ -32,6 +32,8 @@ class Fact(enum.Enum):
     NETWORK = "network"  # no connection: refused, reset, timed out
     SESSION_REFUSED = "session_refused"  # the target refused an exec channel (MaxSessions)
     TERMINAL_REFUSED = "terminal_refused"  # the target refused the terminal (PermitTTY no)
+    # the sftp subsystem (gateway/sftp.py)
+    WALK_CUT = "walk_cut"  # the target's connection failed while a path's walk read it
     # the agent socket's SSH server (gateway/agent_ssh.py)
     FORWARDING = "forwarding"  # a forwarded connection or tunnel asked of the gateway (-W, -L)
     # a certificate account's certificate (gateway/certify.py, issuer.py, openbao.py)
@@ -106,6 +108,12 @@ SAID: dict[Fact, Saying] = {
         "authorized_keys, or a certificate without permit-pty); the command did not run. "
         "Run it without -t/-tt (or with -o RequestTTY=no); for ansible, turn pipelining on.",
         cause="terminal_refused",
+    ),
+    Fact.WALK_CUT: Saying(
+        Code.UNREACHABLE,
+        'The connection to "{host}" failed while the gateway read where the path leads '
+        "({why}); the file operation was not sent. It is safe to retry later.",
+        cause="walk_cut",
     ),
     Fact.FORWARDING: Saying(
         Code.UNSUPPORTED_REQUEST,

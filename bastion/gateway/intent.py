@@ -45,6 +45,9 @@ class Intent:
     written: bool = False
     refusal: Refusal | None = None
     grant_id: str | None = None  # the bounded grant whose use this is, journaled on the intent
+    # a file operation's paths as the walk found them, where they are not those asked
+    # (a symlink on the way): journaled on the intent, the paths it acts on
+    acts_on: tuple[str, ...] = ()
 
     def _refuse(self, refusal: Refusal) -> Refusal:
         self.refusal = refusal
@@ -60,7 +63,9 @@ class Intent:
     def _write(self) -> Any:
         """`dispatch_started`, fsynced with everything before it; or nothing is sent."""
         try:
-            record = self.recorder.intent(self.request_id, self.session_id, self.grant_id)
+            record = self.recorder.intent(
+                self.request_id, self.session_id, self.grant_id, self.acts_on
+            )
         except (OSError, JournalError) as exc:
             log.error("%s: could not journal the intent: %s", self.request_id, exc)
             raise self._refuse(not_durable()) from None

@@ -76,14 +76,23 @@ class Recorder:
             self.lost += 1
             log.error("could not journal %s: %s", kind.value, exc)
 
-    def intent(self, request_id: str, session_id: str, grant: str | None = None) -> Any:
+    def intent(
+        self,
+        request_id: str,
+        session_id: str,
+        grant: str | None = None,
+        acts_on: tuple[str, ...] = (),
+    ) -> Any:
         """The durable intent, on disk with everything before it when this returns
         (the record, whose head the witness must confirm): raises if not written.
-        `grant`: the bounded grant whose use sends it, instead of a card."""
+        `grant`: the bounded grant whose use sends it, instead of a card. `acts_on`: a
+        file operation's paths as the walk found them, where a symlink on the way made
+        them other than those asked (in the encrypted body, as paths are)."""
         meta = {"request_id": request_id, "session_id": session_id}
         if grant is not None:
             meta["grant"] = grant
-        return self._append(EventType.DISPATCH_STARTED, meta, {}, sync=True)
+        event = {"acts_on": list(acts_on)} if acts_on else {}
+        return self._append(EventType.DISPATCH_STARTED, meta, event, sync=True)
 
     def certificate(self, request_id: str, meta: dict[str, Any], event: dict[str, Any]) -> None:
         """A signed certificate, on disk before it is presented to the target: every

@@ -250,6 +250,8 @@ class Service:
         self.actions = ActionKeys()
         # Bytes of per-command uploads each tenant holds for their file cards (`sftp`).
         self.held: Counter[Tenant] = Counter()
+        # Each target account's turn for file operations, walk to answer (`sftp.Broker.turn`).
+        self.file_turns: dict[tuple[str, int, str], asyncio.Lock] = {}
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}
         # request id -> why its card was withdrawn, from `authorize` to the `denied` record

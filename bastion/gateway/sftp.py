@@ -36,7 +36,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
-import posixpath
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -57,10 +57,20 @@ from asyncssh.sftp import SFTPServerHandler
 from bastion.core.contract import Failure
 from bastion.core.defaults import MAX_FILE_CARD_BYTES, MAX_HELD_BYTES_PER_TENANT
 from bastion.core.events import Outcome, Result
-from bastion.core.files import FileKind, FileOp, absolute, sftp_status
+from bastion.core.files import (
+    FileKind,
+    FileOp,
+    Lstat,
+    Node,
+    Resolution,
+    absolute,
+    follows_last,
+    sftp_status,
+    walk,
+)
 from bastion.core.gate import Channel, Dispatch, Request, file_resolved
 from bastion.core.policy import Account, ApprovalMode, Host, Policy
-from bastion.core.refusals import lost
+from bastion.core.refusals import Fact, lost, refusal
 from bastion.gateway.intent import Intent
 from bastion.gateway.mux import MuxView
 from bastion.gateway.service import AgentConn, Service, new_request_id
@@ -298,26 +308,52 @@ class Broker:
             return text
         return absolute(text, self.home) or text
 
-    async def resolved(self, client: asyncssh.SFTPClient, op: FileOp) -> tuple[str, ...]:
-        """Where the target says the operation's paths lead: each one's realpath, or its
-        parent's (a file to be created) joined with its name."""
+    async def walk(self, client: asyncssh.SFTPClient, op: FileOp) -> tuple[Resolution, ...]:
+        """Where the target's answers say each of the operation's paths leads
+        (`core/files.walk` decides; this only asks): a batch of lstats at once, a
+        readlink per symlink."""
         if op.kind is FileKind.REALPATH:
             return ()
-        out = []
-        for path in filter(None, (op.path, op.to)):
-            out.append(await _realpath(client, path))
-        return tuple(out)
+        found = []
+        for path in op.paths:
+            steps = walk(path, follows_last(op))
+            try:
+                ask = next(steps)
+                while True:
+                    if isinstance(ask, Lstat):
+                        nodes = await asyncio.gather(*(_node(client, p) for p in ask.paths))
+                        ask = steps.send(tuple(nodes))
+                    else:
+                        ask = steps.send(await _link_text(client, ask.path))
+            except StopIteration as end:
+                found.append(end.value)
+        return tuple(found)
+
+    def turn(self, host: Host, account: Account) -> asyncio.Lock:
+        """The target account's turn: its file operations are carried one at a time
+        from their walk to the target's answer, so that none of them (a rename of a
+        symlink into place, on another channel too) lands between another's walk and
+        its use (`Service.file_turns`)."""
+        key = (host.address, host.port, account.user)
+        turns = self.service.file_turns
+        lock = turns.get(key)
+        if lock is None:
+            lock = turns[key] = asyncio.Lock()
+        return lock
 
     # -- one request --------------------------------------------------------------------
 
     async def request(
         self,
         op: FileOp,
-        carry: Callable[[asyncssh.SFTPClient], Awaitable[Any]],
+        carry: Carry,
         moved: Callable[[], tuple[int, str] | None] = lambda: None,
+        opened_at: str | None = None,
     ) -> Any:
         """One operation through the request path; its value, or an SFTP error (with
-        the agent-facing JSON line on stderr when the gateway ended it)."""
+        the agent-facing JSON line on stderr when the gateway ended it). `opened_at`: the
+        operation acts on an open file's handle, which holds the file its open found
+        there; there is no path to walk."""
         op = replace(op, home=self.home)
         req = Request(
             new_request_id(),
@@ -336,25 +372,33 @@ class Broker:
 
         async def perform(decided: Dispatch, intent: Intent) -> Result:
             client = await self.client(decided.host, decided.account)
-            await intent.prepare()
+            at = At(self.turn(decided.host, decided.account))
+            await at.take()
             try:
-                where = await self.resolved(client, op)
-            except asyncssh.SFTPError:
-                # Neither the path nor its parent resolves: nothing there for a link to
-                # lead astray; the operation gets the target's own answer (no such file).
-                where = ()
-            refused = file_resolved(decided.account, replace(op, resolved=where))
-            if refused is not None:
-                raise refused
-            intent()  # the gate's last word, the grant spent, the intent durable
-            try:
-                box.value = await carry(client)
-            except asyncssh.SFTPError as exc:
-                box.error = exc
-                return Result(Outcome.COMPLETED, exit_status=exc.code, message=str(exc.reason))
-            except (OSError, asyncssh.Error) as exc:
-                box.error = _err(asyncssh.FX_CONNECTION_LOST, "the target's connection failed")
-                return lost(decided.host.alias, f"the connection failed mid-operation: {exc}")
+                try:
+                    if opened_at is not None:
+                        found: tuple[Resolution, ...] = (Resolution(opened_at),)
+                    else:
+                        found = await self.walk(client, op)
+                except (OSError, asyncssh.Error) as exc:
+                    raise refusal(Fact.WALK_CUT, host=decided.host.alias, why=exc) from None
+                refused = file_resolved(decided.account, op, found)
+                if refused is not None:
+                    raise refused
+                at.place(op, tuple(r.path for r in found if r.path is not None))
+                intent.acts_on = at.moved(op)
+                await intent.prepare()
+                intent()  # the gate's last word, the grant spent, the intent durable
+                try:
+                    box.value = await carry(client, at)
+                except asyncssh.SFTPError as exc:
+                    box.error = exc
+                    return Result(Outcome.COMPLETED, exit_status=exc.code, message=str(exc.reason))
+                except (OSError, asyncssh.Error) as exc:
+                    box.error = _err(asyncssh.FX_CONNECTION_LOST, "the target's connection failed")
+                    return lost(decided.host.alias, f"the connection failed mid-operation: {exc}")
+            finally:
+                at.landed()
             if self.ending and op.kind in (FileKind.READ, FileKind.WRITE):
                 box.error = _err(asyncssh.FX_CONNECTION_LOST, "the agent left")
                 return replace(
@@ -383,14 +427,66 @@ class Broker:
         return box.value
 
 
-async def _realpath(client: asyncssh.SFTPClient, path: str) -> str:
+async def _node(client: asyncssh.SFTPClient, path: str) -> Node:
+    """What the target says `path` is, without following it: an answer for the walk.
+    A failed connection is raised; every other failure is the target's own answer."""
     try:
-        return _text(await client.realpath(path))
-    except asyncssh.SFTPNoSuchFile:
-        parent, name = posixpath.split(path)
-        if not name or parent == path:
-            raise
-        return posixpath.join(_text(await client.realpath(parent)), name)
+        attrs = await client.lstat(path)
+    except (asyncssh.SFTPNoSuchFile, asyncssh.SFTPNoSuchPath):
+        return Node.MISSING
+    except (asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection):
+        raise
+    except asyncssh.SFTPError:
+        return Node.UNKNOWN
+    if attrs.permissions is None:
+        return Node.UNKNOWN
+    if stat.S_ISDIR(attrs.permissions):
+        return Node.DIRECTORY
+    return Node.LINK if stat.S_ISLNK(attrs.permissions) else Node.OTHER
+
+
+async def _link_text(client: asyncssh.SFTPClient, path: str) -> str | None:
+    """A symlink's text as the target reads it, or None when it will not say."""
+    try:
+        return _text(await client.readlink(path))
+    except (asyncssh.SFTPError, UnicodeError):
+        return None
+
+
+Carry = Callable[[asyncssh.SFTPClient, "At"], Awaitable[Any]]
+
+
+@dataclass(eq=False)
+class At:
+    """Where one operation acts on the target -- the paths the walk found, which have no
+    symlink in them -- and the target account's turn (`Broker.turn`), held from the
+    walk until the target answered the request that names them (`landed`)."""
+
+    _turn: asyncio.Lock
+    path: str = ""
+    to: str = ""
+    _held: bool = False
+
+    async def take(self) -> None:
+        await self._turn.acquire()
+        self._held = True
+
+    def place(self, op: FileOp, found: tuple[str, ...]) -> None:
+        self.path = found[0] if found else op.path
+        self.to = found[1] if len(found) > 1 else ""
+
+    def moved(self, op: FileOp) -> tuple[str, ...]:
+        """The paths acted on where they are not the paths asked (for the intent's
+        record), else nothing."""
+        acting = (self.path,) if op.to is None else (self.path, self.to)
+        return acting if acting != op.paths else ()
+
+    def landed(self) -> None:
+        """The target answered the request that names the paths (an open holds its
+        file from here on): the next operation's walk may begin."""
+        if self._held:
+            self._held = False
+            self._turn.release()
 
 
 def _text(name: str | bytes) -> str:
@@ -434,6 +530,7 @@ class _File:
     done: asyncio.Task[Any] | None = None
     refused: asyncssh.SFTPError | None = None
     read_len: int = 0  # a file only read: the most the target reads at once
+    at: str | None = None  # where its open found the file (the walk's path)
 
 
 async def read_through(remote: Any, read_len: int, offset: int, size: int) -> bytes:
@@ -458,6 +555,49 @@ async def read_through(remote: Any, read_len: int, offset: int, size: int) -> by
 
 def _mode(attrs: asyncssh.SFTPAttrs) -> int | None:
     return None if attrs.permissions is None else attrs.permissions & 0o7777
+
+
+def _perms(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
+    """Of an open's or a mkdir's attributes, the mode alone: what sshd uses of them, and
+    all the card shows."""
+    return asyncssh.SFTPAttrs(permissions=_mode(attrs))
+
+
+def _owner(attrs: asyncssh.SFTPAttrs) -> tuple[int, int] | None:
+    return None if attrs.uid is None or attrs.gid is None else (attrs.uid, attrs.gid)
+
+
+def _times(attrs: asyncssh.SFTPAttrs) -> tuple[int, int] | None:
+    if attrs.atime is None or attrs.mtime is None:
+        return None
+    return (int(attrs.atime), int(attrs.mtime))
+
+
+def _setstat_op(path: str, attrs: asyncssh.SFTPAttrs, follow: bool = True) -> FileOp:
+    """A setstat as the gate, the card and the journal see it: every change it makes."""
+    return FileOp(
+        FileKind.SETSTAT,
+        path,
+        size=attrs.size,
+        mode=_mode(attrs),
+        owner=_owner(attrs),
+        times=_times(attrs),
+        follow=follow,
+    )
+
+
+def _change(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
+    """The attributes a setstat sends: those `_setstat_op` shows, and no other (an
+    extended attribute, a v4+ field, nanoseconds the card would not show)."""
+    owner, times = _owner(attrs), _times(attrs)
+    return asyncssh.SFTPAttrs(
+        size=attrs.size,
+        uid=owner[0] if owner else None,
+        gid=owner[1] if owner else None,
+        permissions=_mode(attrs),
+        atime=times[0] if times else None,
+        mtime=times[1] if times else None,
+    )
 
 
 class Brokered(asyncssh.SFTPServer):
@@ -490,7 +630,7 @@ class Brokered(asyncssh.SFTPServer):
         text = path.decode("utf-8", "surrogateescape")
         op = FileOp(FileKind.REALPATH, text if text else ".")
 
-        async def carry(client: asyncssh.SFTPClient) -> bytes:
+        async def carry(client: asyncssh.SFTPClient, at: At) -> bytes:
             return _bytes(await client.realpath(path or b"."))
 
         found: bytes = await b.request(op, carry)
@@ -507,7 +647,7 @@ class Brokered(asyncssh.SFTPServer):
         # Held whole (a per-command account's) unless it appends: the file is then written
         # truncated, so it holds exactly the bytes the card shows.
         whole = not pflags & FXF_APPEND
-        f = _File(where, FileKind.WRITE if writes else FileKind.READ, pflags, attrs)
+        f = _File(where, FileKind.WRITE if writes else FileKind.READ, pflags, _perms(attrs))
         if writes and self._held(where) and whole:
             f.held = bytearray()  # decided at close, on its file card
             return f
@@ -515,10 +655,12 @@ class Brokered(asyncssh.SFTPServer):
         loop = asyncio.get_running_loop()
         f.opened = loop.create_future()
 
-        async def carry(client: asyncssh.SFTPClient) -> None:
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
             # A file only read is read one target request per agent read (`read_through`).
             block = -1 if writes else 0
-            f.remote = await client.open(where, pflags, attrs, encoding=None, block_size=block)
+            f.remote = await client.open(at.path, pflags, f.attrs, encoding=None, block_size=block)
+            at.landed()  # the handle holds the file the walk found
+            f.at = at.path
             f.read_len = 0 if writes else client.limits.max_read_len
             assert f.opened is not None
             f.opened.set_result(None)
@@ -620,15 +762,15 @@ class Brokered(asyncssh.SFTPServer):
         f.held = None
         digest = hashlib.sha256(data).hexdigest()
         op = FileOp(FileKind.WRITE, f.path, size=len(data), sha256=digest, mode=_mode(f.attrs))
-        attrs = asyncssh.SFTPAttrs(permissions=f.attrs.permissions)
 
-        async def carry(client: asyncssh.SFTPClient) -> None:
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
             flags = FXF_WRITE | FXF_CREAT | FXF_TRUNC
-            async with client.open(f.path, flags, attrs, encoding=None) as remote:
+            async with client.open(at.path, flags, f.attrs, encoding=None) as remote:
+                at.landed()
                 await asyncio.gather(
                     *(
-                        remote.write(data[at : at + WRITE_CHUNK], at)
-                        for at in range(0, len(data), WRITE_CHUNK)
+                        remote.write(data[pos : pos + WRITE_CHUNK], pos)
+                        for pos in range(0, len(data), WRITE_CHUNK)
                     )
                 )
 
@@ -656,9 +798,9 @@ class Brokered(asyncssh.SFTPServer):
         f = self._file(file_obj)
         if f.held is not None:
             # A held file is written with this mode and cut to this size (OpenSSH's scp
-            # and sftp truncate so); its times are the target's.
+            # and sftp truncate so); its owner and times are the target's.
             if attrs.permissions is not None:
-                f.attrs = asyncssh.SFTPAttrs(permissions=attrs.permissions)
+                f.attrs = _perms(attrs)
             if attrs.size is not None:
                 if attrs.size < len(f.held):
                     self.broker.release(len(f.held) - attrs.size)
@@ -666,7 +808,16 @@ class Brokered(asyncssh.SFTPServer):
                 else:
                     await self._grow(f, attrs.size)
             return
-        await self.setstat(f.path.encode("utf-8"), attrs)
+        if f.remote is None:
+            raise _err(asyncssh.FX_FAILURE, "this file is not open")
+        # On the handle: the file its open found, whatever its path leads to now.
+        change = _change(attrs)
+        remote = f.remote
+
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
+            await remote.setstat(change)
+
+        await self.broker.request(_setstat_op(f.path, attrs), carry, opened_at=f.at)
 
     async def fsync(self, file_obj: object) -> None:
         f = self._file(file_obj)
@@ -680,10 +831,11 @@ class Brokered(asyncssh.SFTPServer):
         b = self.broker
         where = b.path(path)
 
-        async def carry(client: asyncssh.SFTPClient) -> asyncssh.SFTPAttrs:
-            return await (client.stat(where) if follow else client.lstat(where))
+        async def carry(client: asyncssh.SFTPClient, at: At) -> asyncssh.SFTPAttrs:
+            return await (client.stat(at.path) if follow else client.lstat(at.path))
 
-        result: asyncssh.SFTPAttrs = await b.request(FileOp(FileKind.STAT, where), carry)
+        op = FileOp(FileKind.STAT, where, follow=follow)
+        result: asyncssh.SFTPAttrs = await b.request(op, carry)
         return result
 
     async def stat(self, path: bytes) -> asyncssh.SFTPAttrs:
@@ -696,18 +848,18 @@ class Brokered(asyncssh.SFTPServer):
         b = self.broker
         where = b.path(path)
 
-        async def carry(client: asyncssh.SFTPClient) -> bytes:
-            return _bytes(await client.readlink(where))
+        async def carry(client: asyncssh.SFTPClient, at: At) -> bytes:
+            return _bytes(await client.readlink(at.path))
 
-        found: bytes = await b.request(FileOp(FileKind.STAT, where), carry)
+        found: bytes = await b.request(FileOp(FileKind.STAT, where, follow=False), carry)
         return found
 
     async def scandir(self, path: bytes) -> AsyncIterator[asyncssh.SFTPName]:
         b = self.broker
         where = b.path(path)
 
-        async def carry(client: asyncssh.SFTPClient) -> list[asyncssh.SFTPName]:
-            return list(await client.readdir(where))
+        async def carry(client: asyncssh.SFTPClient, at: At) -> list[asyncssh.SFTPName]:
+            return list(await client.readdir(at.path))
 
         names: list[asyncssh.SFTPName] = await b.request(FileOp(FileKind.LIST, where), carry)
         for name in names:
@@ -719,8 +871,8 @@ class Brokered(asyncssh.SFTPServer):
         b = self.broker
         where = b.path(path)
 
-        async def carry(client: asyncssh.SFTPClient) -> None:
-            await act(client, where)
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
+            await act(client, at.path)
 
         await b.request(FileOp(kind, where), carry)
 
@@ -733,23 +885,29 @@ class Brokered(asyncssh.SFTPServer):
     async def mkdir(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
         b = self.broker
         where = b.path(path)
+        perms = _perms(attrs)
 
-        async def carry(client: asyncssh.SFTPClient) -> None:
-            await client.mkdir(where, attrs)
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
+            await client.mkdir(at.path, perms)
 
         await b.request(FileOp(FileKind.MKDIR, where, mode=_mode(attrs)), carry)
 
     async def setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
-        b = self.broker
-        where = b.path(path)
-
-        async def carry(client: asyncssh.SFTPClient) -> None:
-            await client.setstat(where, attrs)
-
-        await b.request(FileOp(FileKind.SETSTAT, where, mode=_mode(attrs)), carry)
+        await self._setstat(path, attrs, follow=True)
 
     async def lsetstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
-        await self.setstat(path, attrs)
+        await self._setstat(path, attrs, follow=False)
+
+    async def _setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs, follow: bool) -> None:
+        """Exactly what the card and the journal show is sent: the size, mode, owner and
+        times asked, nothing else the client put in the attributes."""
+        b = self.broker
+        change = _change(attrs)
+
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
+            await client.setstat(at.path, change, follow_symlinks=follow)
+
+        await b.request(_setstat_op(b.path(path), attrs, follow), carry)
 
     async def rename(self, oldpath: bytes, newpath: bytes) -> None:
         await self._rename(oldpath, newpath, posix=False)
@@ -761,18 +919,23 @@ class Brokered(asyncssh.SFTPServer):
         b = self.broker
         old, new = b.path(oldpath), b.path(newpath)
 
-        async def carry(client: asyncssh.SFTPClient) -> None:
-            await (client.posix_rename(old, new) if posix else client.rename(old, new))
+        async def carry(client: asyncssh.SFTPClient, at: At) -> None:
+            await (client.posix_rename if posix else client.rename)(at.path, at.to)
 
         await b.request(FileOp(FileKind.RENAME, old, to=new), carry)
 
     # -- never ---------------------------------------------------------------------------
 
-    def symlink(self, oldpath: bytes, newpath: bytes) -> None:
-        raise _err(asyncssh.FX_PERMISSION_DENIED, NO_LINKS)
+    async def symlink(self, oldpath: bytes, newpath: bytes) -> None:
+        await self._link(newpath)
 
-    def link(self, oldpath: bytes, newpath: bytes) -> None:
-        raise _err(asyncssh.FX_PERMISSION_DENIED, NO_LINKS)
+    async def link(self, oldpath: bytes, newpath: bytes) -> None:
+        await self._link(newpath)
+
+    async def _link(self, newpath: bytes) -> None:
+        """A request the gate always refuses (`NO_LINKS`), so it is journaled and the
+        agent reads why: never carried."""
+        await self.broker.request(FileOp(FileKind.LINK, self.broker.path(newpath)), _never)
 
     def open56(self, *args: Any) -> None:
         raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion speaks SFTP version 3")
@@ -793,11 +956,8 @@ class Brokered(asyncssh.SFTPServer):
         return None
 
 
-NO_LINKS = "bastion does not create symlinks or hard links (a link could lead a path rule astray)"
-
-
-async def _never(client: asyncssh.SFTPClient) -> None:
-    raise AssertionError("the gate refuses a held write past its bound")
+async def _never(client: asyncssh.SFTPClient, at: At) -> None:
+    raise AssertionError("the gate refuses this operation before it is carried")
 
 
 def _bytes(name: str | bytes) -> bytes:

@@ -100,6 +100,14 @@ BEFORE: list[tuple[Fact, dict[str, Any], Code, str, str]] = [
         "session_refused",
     ),
     (
+        Fact.WALK_CUT,
+        {"host": "web1", "why": "connection lost"},
+        Code.UNREACHABLE,
+        'The connection to "web1" failed while the gateway read where the path leads '
+        "(connection lost); the file operation was not sent. It is safe to retry later.",
+        "walk_cut",
+    ),
+    (
         Fact.TERMINAL_REFUSED,
         {"host": "web1"},
         Code.UNSUPPORTED_REQUEST,

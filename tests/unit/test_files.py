@@ -18,6 +18,7 @@ from bastion.core.files import (
     FileKind,
     FileOp,
     FilesError,
+    Resolution,
     absolute,
     check_file,
     parse_files,
@@ -260,8 +261,8 @@ def test_a_locked_vault_refuses_file_operations_first() -> None:
 
 def test_the_resolved_check_refuses_a_symlink_escape() -> None:
     op = FileOp(FileKind.READ, "/var/log/link")
-    assert file_resolved(account("app"), replace(op, resolved=("/var/log/real",))) is None
-    refused = file_resolved(account("app"), replace(op, resolved=("/etc/shadow",)))
+    assert file_resolved(account("app"), op, (Resolution("/var/log/real", links=1),)) is None
+    refused = file_resolved(account("app"), op, (Resolution("/etc/shadow", links=1),))
     assert refused is not None and refused.code is Code.POLICY_DENIED
 
 
