@@ -13,18 +13,17 @@ control on an account where shell source runs.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bastion.core.command import CODE_BUILTINS, RESERVED, RUNS_CODE, Runs, read_command
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.harness import USER, Bastion, make_bastion
+from tests.harness import Bastion, make_bastion
+from tests.integration.test_option_rules import host
 
 SHELLS = {
     "bash": ["bash", "-c"],
@@ -307,20 +306,6 @@ def test_the_reader_reads_every_entry_as_shell_source_however_spelled() -> None:
 
 
 # -- over real ssh ---------------------------------------------------------------------
-
-
-def host(sshd: SshdInfo, alias: str, **account: Any) -> str:
-    lines = [
-        f"[hosts.{alias}]",
-        f'address = "{sshd.address}"',
-        f"port = {sshd.port}",
-        f'host_key = "{sshd.host_key}"',
-        f"[[hosts.{alias}.accounts]]",
-        f'user = "{USER}"',
-        'credential = "deploy-key"',
-        *(f"{k} = {json.dumps(v)}" for k, v in account.items()),
-    ]
-    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
