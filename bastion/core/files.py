@@ -10,8 +10,10 @@ Paths. A rule is a glob over absolute paths: `**` crosses `/`, `*` and `?` do no
 home as the target reports it (`realpath(".")` on the sftp channel, which every sftp
 client asks first); until the gateway has seen it, such a rule matches nothing. An
 agent's path is made absolute against that home and normalised lexically (`.` and `..`
-folded) before any rule is looked at; the target's own resolution of the path (its
-symlinks: `FileOp.resolved`) must be allowed too.
+folded) before any rule is looked at. Then the walk (`walk`, below) resolves it as the
+target's kernel will, one lstat or readlink at a time asked of the edge, and the path
+it finds (`FileOp.resolved`) must be allowed too: it is the path the operation is sent
+for. A path whose end the walk cannot tell exactly is refused, never judged lexically.
 
 Write implies read: an account that may replace a file may read what it wrote, and
 sftp clients stat and open for reading what they upload to. A mutation (write, remove,

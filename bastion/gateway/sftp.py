@@ -15,13 +15,24 @@ only the approved bytes are written, whole, on the target. A session account's w
 streams: its path is decided at open, and what went through is journaled at close.
 
 Paths: the agent's path is made absolute against the home the target reported
-(`realpath(".")`, which every sftp client asks first), folded lexically, and the
-target's own resolution of it (of its parent, for a file that does not exist yet) is
-decided on too, right before the operation leaves (`gate.file_resolved`). Symlinks and
-hard links are never made. What remains: the target's resolution is read a moment
-before the operation leaves, so a process on the target that swaps a directory for a
-symlink in that moment can still redirect it (TOCTOU); bastion cannot close that from
-outside the target.
+(`realpath(".")`, which every sftp client asks first) and folded lexically; then, right
+before the operation leaves, the walk (`core/files.walk`, asked through `Broker.walk`:
+one batch of lstats, a readlink per symlink) finds where it leads on the target, and
+the gate decides on that (`gate.file_resolved`): a path whose end cannot be told
+exactly (more than `MAX_LINKS` links, a dangling link, a link it cannot read) is
+refused, and the operation is sent for the walked path, which has no symlink left in
+it, so nothing the target resolves can move it. sftp-server's own `realpath` is never
+asked for a decision: it gives up at a smaller depth than the kernel's `open()`.
+
+The turn (`Broker.turn`, `Service.file_turns`): one target account's file operations,
+from every agent channel of this gateway, are carried one at a time from their walk to
+the target's answer, so none of bastion's own (a rename of a symlink into place) lands
+between another's walk and its use. What remains: a process on the target -- a command
+bastion let run, still running, included -- that swaps a walked directory for a symlink
+between the walk and the use can still redirect an operation (TOCTOU); the sftp
+protocol has no open-beneath or no-follow open, and bastion cannot close that from
+outside the target. An account whose commands are not trusted to run unwatched should
+not also have files rules wider than those commands.
 
 Nothing here serves the gateway's own files: `Brokered` overrides every method of
 asyncssh's `SFTPServer` (a unit test checks that none is left to the base class), and
