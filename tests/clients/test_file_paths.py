@@ -30,6 +30,7 @@ from tests.clients.test_file_transfer import (
     ssh_opts,
 )
 from tests.harness import Bastion, policy_toml
+from tests.unit.test_file_walk import chain
 
 ORIGINAL = b"VICTIM-ORIGINAL-BYTES\n"
 EVIL = b"EVIL-BYTES-FROM-THE-AGENT\n"
@@ -49,16 +50,6 @@ def local(tmp_path: Path) -> Path:
     f = tmp_path / "upload.bin"
     f.write_bytes(EVIL)
     return f
-
-
-def chain(where: Path, n: int, dest: Path, name: str = "l") -> Path:
-    """n symlinks in `where`, each to the one before, the first to `dest`."""
-    prev = dest
-    for i in range(n):
-        link = where / f"{name}{i}"
-        link.symlink_to(prev)
-        prev = link
-    return prev
 
 
 def sftp_batch(

@@ -198,6 +198,14 @@ def test_a_grant_is_for_its_run_alone(granting: Bastion) -> None:
     assert grant["uses_left"] == 4
 
 
+def keys(term: Terminal, *steps: tuple[str, str]) -> None:
+    """Each key a read of its own, typed past the guard, and what it shows awaited."""
+    for key, shown in steps:
+        time.sleep(GUARD + 0.2)
+        term.type(key)
+        term.expect(shown)
+
+
 def test_the_prompt_widens_a_yes_to_a_grant_one_key_a_step(granting: Bastion) -> None:
     """`bastion approve` in a real pty: g, the word to widen, Enter, the bound, Enter on
     the grant read back. The two uses run without cards, the third is carded. The
@@ -212,17 +220,14 @@ def test_the_prompt_widens_a_yes_to_a_grant_one_key_a_step(granting: Bastion) ->
         term.expect("session approval")
         term.answer("y")
         term.expect("g widens a yes")
-        step = GUARD + 0.2  # each key a read of its own, past the guard
-        for key, shown in (
+        keys(
+            term,
             ("g", "a digit widens that word"),
             ("2", "pattern: echo restart *"),
             ("\r", "for: 1) 1 use"),
             ("2", "for 2 uses"),
             ("\r", "approved, with grant grt_"),
-        ):
-            time.sleep(step)
-            term.type(key)
-            term.expect(shown)
+        )
         assert agent.wait(rid).rc == 0
         for name in ("b", "c"):
             covered(granting, agent, f"echo restart {name}")
@@ -324,8 +329,8 @@ def test_the_prompt_keeps_the_cards_options_as_spelled(
         term.expect("session approval")
         term.answer("y")
         term.expect("g widens a yes")
-        step = GUARD + 0.2  # each key a read of its own, past the guard
-        for key, shown in (
+        keys(
+            term,
             ("g", "-C  (an option: stays as spelled)"),
             ("1", "word 1 cannot be *: -C is an option"),
             ("3", "word 3 cannot be *: -xf is an option"),
@@ -333,10 +338,7 @@ def test_the_prompt_keeps_the_cards_options_as_spelled(
             ("\r", "for: 1) 1 use"),
             ("1", "for 1 use"),
             ("\r", "approved, with grant grt_"),
-        ):
-            time.sleep(step)
-            term.type(key)
-            term.expect(shown)
+        )
         assert agent.wait(rid).rc == 0 and (out / "a").exists()
         (grant,) = live_grants(granting)
         assert grant["pattern"] == f"{base} *"

@@ -63,6 +63,7 @@ def node(path: str) -> Node:
 
 
 def chain(area: Path, n: int, dest: Path, name: str = "l") -> Path:
+    """n symlinks in `area`, each to the one before, the first to `dest`."""
     prev = dest
     for i in range(n):
         link = area / f"{name}{i}"
