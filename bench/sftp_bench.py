@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from load import bench_sshd  # noqa: E402  (bench/load.py, beside this file)
 
-from bastion.opsock import OperatorError  # noqa: E402
+from bastion.ops.opsock import OperatorError  # noqa: E402
 from tests.harness import Bastion, make_bastion, policy_toml  # noqa: E402
 
 

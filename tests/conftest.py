@@ -26,7 +26,7 @@ TIERS = ("unit", "integration", "container", "clients")
 
 # The vault's key derivation costs about 0.8 s and 512 MiB in production; the tests
 # create hundreds of vaults. Every subprocess (bastion init, unlock, the daemon)
-# inherits this: vault.py's cheap profile, documented as for tests only.
+# inherits this: vault/store.py's cheap profile, documented as for tests only.
 os.environ["BASTION_KDF_PROFILE"] = "test"
 # Every ssh a test starts runs its ProxyCommand with $SHELL, and bash given a socket on
 # stdin with SHLVL 0 reads ~/.bashrc first. A machine whose rc starts pyenv then pays

@@ -40,11 +40,12 @@ from typing import Any
 import psutil
 from cryptography.hazmat.primitives import serialization
 
-from bastion import journal, opsock
+from bastion import journal
 from bastion.cli.agents import home_ssh_config
 from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
 from bastion.home import Home
+from bastion.ops import opsock
 
 PASSPHRASE = "correct horse battery staple"
 HELPER = Path(__file__).with_name("agent_helper.py")

@@ -24,7 +24,7 @@ from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.home import Home
 
 if TYPE_CHECKING:
-    from bastion.isolation import Isolation
+    from bastion.sandbox.isolation import Isolation
 
 
 @click.command()
@@ -300,7 +300,7 @@ def refresh_agent_files(home: Home, iso: Isolation) -> str | None:
     then kept as it is, a new one has no per-host `User` lines."""
     import pwd
 
-    from bastion import isolation
+    from bastion.sandbox import isolation
 
     try:
         gid = pwd.getpwuid(iso.operator_uid).pw_gid

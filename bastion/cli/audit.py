@@ -16,7 +16,6 @@ from typing import Any
 
 import click
 
-from bastion import opsock
 from bastion.cli import rows
 from bastion.cli.common import (
     emit,
@@ -28,6 +27,7 @@ from bastion.cli.common import (
     width_option,
 )
 from bastion.cli.export import export
+from bastion.ops import opsock
 
 
 @click.group()
@@ -77,7 +77,8 @@ def audit_verify(
     """Check order, chain, signatures and vouches, and with --witness the
     heads a witness saw. Needs neither the passphrase nor the gateway. Exit 0
     intact, 1 with the first bad record or the first witnessed head missing."""
-    from bastion import journal, journal_verify, ops
+    from bastion import journal, ops
+    from bastion.journal import verify as journal_verify
     from bastion.vault import Vault, VaultError
 
     home = home_of(ctx)
@@ -91,7 +92,7 @@ def audit_verify(
     doc = report.as_json()
     ok = report.ok
     if witness_files:
-        from bastion import witness_check
+        from bastion.journal import witness_reading as witness_check
 
         try:
             heads = witness_check.read_entries(witness_files)

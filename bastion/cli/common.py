@@ -23,9 +23,10 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from bastion import memory, opsock
 from bastion.core.display import escape_text
 from bastion.home import Home
+from bastion.ops import opsock
+from bastion.sandbox import memory
 
 KEYRING_SERVICE = "bastion"
 HOST_KEY_ALIAS = "bastion-gateway"

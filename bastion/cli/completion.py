@@ -27,9 +27,9 @@ from typing import Any
 import click
 from click.shell_completion import CompletionItem, get_completion_class
 
-from bastion import opsock
 from bastion.core.display import escape_text
 from bastion.home import Home, default_home
+from bastion.ops import opsock
 
 PROG = "bastion"
 COMPLETE_VAR = "_BASTION_COMPLETE"  # what click derives from PROG; fixed so `python -m` agrees

@@ -17,7 +17,7 @@ from bastion.core import defaults
 from bastion.home import Home
 
 if TYPE_CHECKING:
-    from bastion.isolation import Isolation
+    from bastion.sandbox.isolation import Isolation
 
 
 @click.command()
@@ -170,7 +170,7 @@ def _isolation_of(home: Home) -> Isolation | None:
     """What `isolate setup` recorded, if it did, with its socket directory checked."""
     import stat
 
-    from bastion import isolation
+    from bastion.sandbox import isolation
 
     try:
         iso = isolation.load(home)

@@ -19,7 +19,7 @@ from bastion.cli.common import HOST_KEY_ALIAS, home_of
 from bastion.home import Home
 
 if TYPE_CHECKING:
-    from bastion.doctor import Check
+    from bastion.ops.doctor import Check
 
 MARKS = {"ok": "✓", "fail": "✗", "warn": "!", "skip": "-"}
 
@@ -74,7 +74,7 @@ def doctor(ctx: click.Context, as_json: bool, policies: Path | None, timeout: fl
     modes, bastion.toml, the policy and the host key each host presents, the
     witness and the keyring. One line per check with the fix; exit 1 if any failed.
     Nothing is authenticated or sent to a host: doctor only reads its host key."""
-    from bastion.doctor import gather, run_checks, summary
+    from bastion.ops.doctor import gather, run_checks, summary
 
     home = home_of(ctx)
     directory = policies.absolute() if policies else None

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from bastion import opsock
 from bastion.cli.common import fail, home_of, passphrase_option, read_passphrase
 from bastion.core.errors import BastionError
+from bastion.ops import opsock
 
 if TYPE_CHECKING:
     from bastion.journal import Record

@@ -19,12 +19,14 @@ from typing import Any
 
 import click
 
-from bastion import isolation, opsock, sandbox
+from bastion import sandbox
 from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import emit, fail, home_of
 from bastion.home import Home
-from bastion.isolation import Isolation, IsolationError
-from bastion.threat_model import LIMIT
+from bastion.ops import opsock
+from bastion.sandbox import isolation
+from bastion.sandbox.isolation import Isolation, IsolationError
+from bastion.sandbox.threat_model import LIMIT
 
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 

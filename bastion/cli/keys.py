@@ -13,7 +13,6 @@ from typing import Any
 
 import click
 
-from bastion import opsock
 from bastion.cli.common import (
     LineStdin,
     ask_secret,
@@ -25,6 +24,7 @@ from bastion.cli.common import (
     read_secret_line,
 )
 from bastion.cli.completion import complete_key_label, complete_own_key_label
+from bastion.ops import opsock
 
 
 @click.group()

@@ -20,7 +20,6 @@ from typing import Any
 
 import click
 
-from bastion import opsock
 from bastion.cli import completion as comp
 from bastion.cli.common import (
     HOST_KEY_ALIAS,
@@ -37,6 +36,7 @@ from bastion.cli.common import (
 from bastion.core.display import escape_text
 from bastion.data import EXAMPLE_POLICY
 from bastion.home import default_home
+from bastion.ops import opsock
 
 # The commands that live in modules of their own, imported only when named: `bastion run`
 # (started before every agent) pays for its own imports, not for `audit`'s or `isolate`'s.
@@ -225,7 +225,7 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Gateway state: vault, policy, isolation and what it guarantees, the listeners."""
     from bastion.core.events import foreign_warning
-    from bastion.threat_model import threat_lines
+    from bastion.sandbox.threat_model import threat_lines
 
     s = op(ctx, "status")
 

@@ -47,7 +47,7 @@ from bastion.cli.rows import activity_rows, cells, session_rows
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
-from bastion.opsock import OperatorError, call
+from bastion.ops.opsock import OperatorError, call
 
 
 def _shown(value: object) -> str:

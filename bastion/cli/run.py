@@ -30,10 +30,10 @@ from bastion.agent import proxy as proxy_mod
 from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import fail, home_of
 from bastion.home import Home
-from bastion.run_agent import ThrowawayAgent
+from bastion.sandbox.run_agent import ThrowawayAgent
 
 if TYPE_CHECKING:
-    from bastion.isolation import Isolation
+    from bastion.sandbox.isolation import Isolation
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -224,7 +224,7 @@ def _isolation(home: Home) -> Isolation:
     import grp
     import pwd
 
-    from bastion import isolation
+    from bastion.sandbox import isolation
 
     try:
         iso = isolation.load(home)

@@ -1,6 +1,6 @@
 """`bastion service install [--user]`: a systemd unit that runs this home's gateway.
 
-The unit (rendered by `service_unit.py`) runs the same `bastion daemon` an
+The unit (rendered by `ops/service_unit.py`) runs the same `bastion daemon` an
 operator would, under the interpreter running this command, with `--home`
 made explicit. A system unit runs the gateway as the home's owner (`User=`);
 a `--user` unit must be installed by that owner. The command writes the file
@@ -18,10 +18,10 @@ from pathlib import Path, PurePosixPath
 
 import click
 
-from bastion import opsock
 from bastion.cli.common import fail, home_of
 from bastion.home import Home, default_home
-from bastion.service_unit import (
+from bastion.ops import opsock
+from bastion.ops.service_unit import (
     Mode,
     UnitError,
     UnitInputs,

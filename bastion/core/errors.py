@@ -29,20 +29,20 @@ class BastionError(Exception):
         ├── core.files.FilesError [ValueError] -- a `files` table that is not path globs
         ├── core.grants.GrantError -- a bounded grant that cannot be made as the operator asked
         ├── config.ConfigError -- bastion.toml cannot be used as written
-        ├── identity.IdentityError -- the peer could not be identified
-        ├── journal.JournalError -- the journal cannot be used as asked
-        ├── vault_file.VaultError -- a vault failure a person can act on
-        │   ├── vault_file.WrongPassphrase
-        │   ├── vault_file.VaultLocked
-        │   └── vault_file.KeyFilePassphraseNeeded
-        ├── isolation.IsolationError -- isolation is not set up, or cannot be
-        ├── sandbox.Unavailable -- the sandbox cannot be made here: the reason and the fix
-        ├── memory.NotClosed -- the memory could not be closed to its uid
-        ├── ops.OpsError -- an operator action that cannot be done as asked
-        ├── opsock.OperatorError -- an operator request failed
-        │   └── opsock.GatewayNotRunning
-        ├── service_unit.UnitError [ValueError] -- an input the systemd unit cannot express
-        ├── courier.Undelivered -- a witness delivery failed part way
+        ├── identity.resolver.IdentityError -- the peer could not be identified
+        ├── journal.chain.JournalError -- the journal cannot be used as asked
+        ├── vault.file_format.VaultError -- a vault failure a person can act on
+        │   ├── vault.file_format.WrongPassphrase
+        │   ├── vault.file_format.VaultLocked
+        │   └── vault.file_format.KeyFilePassphraseNeeded
+        ├── sandbox.isolation.IsolationError -- isolation is not set up, or cannot be
+        ├── sandbox.per_run.Unavailable -- the sandbox cannot be made here: the reason and the fix
+        ├── sandbox.memory.NotClosed -- the memory could not be closed to its uid
+        ├── ops.actions.OpsError -- an operator action that cannot be done as asked
+        ├── ops.opsock.OperatorError -- an operator request failed
+        │   └── ops.opsock.GatewayNotRunning
+        ├── ops.service_unit.UnitError [ValueError] -- an input the systemd unit cannot express
+        ├── journal.courier.Undelivered -- a witness delivery failed part way
         ├── agent.client.AgentError -- the agent-side client could not get a usable answer
         │   ├── agent.client.Unsupported -- the model's input, refused before asking
         │   ├── agent.client.Busy -- the gateway did not answer in time

@@ -1,7 +1,7 @@
 """Who asks: the records a process is approved as.
 
 Authority is bound to one live process, never to anything a client says
-about itself. These records are what `identity.py` reads from the kernel and
+about itself. These records are what `identity/resolver.py` reads from the kernel and
 /proc; everything that grants or checks authority (the gate, the approval
 book, the journal) sees only these immutable values. Which process in the
 chain is the subject is decided here too (`subject_index`), over what the

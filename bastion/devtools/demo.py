@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bastion import opsock
 from bastion.devtools.sshd_fixture import Sshd, sshd_available
 from bastion.home import Home
+from bastion.ops import opsock
 
 PASSPHRASE = "demo passphrase, thrown away"
 AGENT = """

@@ -33,13 +33,12 @@ from bastion.core.events import EventType, bound_action
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.refusals import Fact, answer
 from bastion.core.subject import Peer, ProcessInfo, Run, Subject, SubjectKind
-from bastion.gateway import procs
 from bastion.gateway.admission import Admission, NoSlot
 from bastion.gateway.agent_ssh import Doors
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.requests import RequestIndex
 from bastion.gateway.tenants import Tenant, Tenants
-from bastion.identity import IdentityError, Resolver, peer_credentials
+from bastion.identity import IdentityError, Resolver, peer_credentials, procs
 
 log = logging.getLogger("bastion.gateway")
 

@@ -67,7 +67,6 @@ from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer, SubjectKind
 from bastion.core.waiting import WAIT_LINE_ENV
-from bastion.gateway import procs
 from bastion.gateway.admission import NoSlot
 from bastion.gateway.agent_channel import AgentChannel, forwarding_refused
 from bastion.gateway.mux import MuxView
@@ -77,8 +76,8 @@ from bastion.gateway.service import AgentConn, Service, new_request_id
 from bastion.gateway.sftp import Later, SubsystemProcess
 from bastion.gateway.sftp import serve as serve_sftp
 from bastion.gateway.tenants import Caps, Tenant, Tenants
-from bastion.identity import IdentityError, peer_credentials
-from bastion.opsock import loads_line
+from bastion.identity import IdentityError, peer_credentials, procs
+from bastion.ops.opsock import loads_line
 
 log = logging.getLogger("bastion.agent")
 

@@ -33,12 +33,12 @@ from bastion.gateway.opserver import OPERATOR_ARG, Handler
 from bastion.gateway.recorder import ForeignRecords
 from bastion.gateway.service import Service
 from bastion.home import Home
-from bastion.isolation import status_guarantees
 from bastion.journal import IDENTITY_LABEL, Journal
-from bastion.opsock import OperatorError
-from bastion.threat_model import threat_model
+from bastion.journal.witness import Witness
+from bastion.ops.opsock import OperatorError
+from bastion.sandbox.isolation import status_guarantees
+from bastion.sandbox.threat_model import threat_model
 from bastion.vault import Vault, VaultError
-from bastion.witness import Witness
 
 WATCH_PING = 10.0  # seconds between keep-alive events to a watching prompt
 MAX_WAIT = 600.0  # the longest `pending` wait, in seconds

@@ -12,7 +12,7 @@ touches the operating system around them: pidfds that say when an approved
 process exits, `lifetime.json` for the next lifetime's cards, `runs.json` for
 the next lifetime's runs (a run outlives a gateway restart), the journal's
 vouch, the two sockets, and the witness bastion.toml asks for
-(`witness.py`; a bad bastion.toml stops the start).
+(`journal/witness.py`; a bad bastion.toml stops the start).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any
 import asyncssh
 import uvloop
 
-from bastion import logfmt, memory, opsock, sdnotify
 from bastion.ca.issuer import Issuer, VaultCA
 from bastion.ca.vault_ca import OPENBAO_SECRET
 from bastion.config import Config, ConfigError, load_config
@@ -48,7 +47,7 @@ from bastion.core.defaults import (
 from bastion.core.events import EventType, recover
 from bastion.core.policy import PolicyError
 from bastion.core.subject import Peer, ProcessInfo, ProcessKey, Run, Subject
-from bastion.gateway import mux, opserver, procs
+from bastion.gateway import logfmt, mux, opserver, sdnotify
 from bastion.gateway.admission import Admission
 from bastion.gateway.agent_doors import AgentDoors, run_subject
 from bastion.gateway.agent_ssh import AgentListener
@@ -71,6 +70,7 @@ from bastion.identity import (
     Resolver,
     alive,
     children,
+    procs,
     serves_control_socket,
     ssh_client_of,
 )
@@ -80,10 +80,11 @@ from bastion.journal import (
     JournalError,
     read_identity,
 )
-from bastion.ops import identity_pin
+from bastion.journal.witness import Witness, journal_id
+from bastion.ops import identity_pin, opsock
 from bastion.policy_files import PolicyStore
+from bastion.sandbox import memory
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError
-from bastion.witness import Witness, journal_id
 
 log = logging.getLogger("bastion")
 

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core import opguard
-from bastion.gateway.procs import in_other_namespaces
 from bastion.identity import descends_from, peer_credentials
-from bastion.opsock import MAX_LINE, OperatorError, loads_line
+from bastion.identity.procs import in_other_namespaces
+from bastion.ops.opsock import MAX_LINE, OperatorError, loads_line
 
 log = logging.getLogger("bastion.operator")
 

@@ -24,7 +24,7 @@ from bastion.core.grants import Grant, GrantEnd
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
-from bastion.journal_verify import unvouched_boots
+from bastion.journal.verify import unvouched_boots
 
 log = logging.getLogger("bastion")
 

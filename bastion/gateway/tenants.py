@@ -37,9 +37,9 @@ from bastion.core.defaults import (
 )
 from bastion.core.errors import BastionError
 from bastion.core.subject import Subject, SubjectKind
-from bastion.gateway import procs
+from bastion.identity import procs
 
-MAX_DEPTH = 64  # ancestors read at most (identity.py's walk stops there too)
+MAX_DEPTH = 64  # ancestors read at most (identity/resolver.py's walk stops there too)
 SEEN = 4096  # processes whose tenant is kept between connections
 
 ProcKey = tuple[int, int]  # (pid, start in clock ticks): one process in one boot

@@ -31,10 +31,11 @@ from typing import Any
 import asyncssh
 from asyncssh.packet import Boolean, String, UInt32
 
-from bastion import journal, opsock
+from bastion import journal
 from bastion.agent import client, proxy
 from bastion.core.events import EventType
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo
+from bastion.ops import opsock
 from tests.harness import (
     Agent,
     Bastion,

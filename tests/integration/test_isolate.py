@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from bastion import isolation
+from bastion.sandbox import isolation
 from tests.harness import USER, Bastion, Terminal, make_bastion, policy_toml, remove_user, wait_for
 
 ISO_USER = "bastion-test-iso"
@@ -203,7 +203,7 @@ def test_an_isolated_agent_runs_after_approval_and_cannot_read_the_vault(
         "LC_ALL",
         "LOGNAME",
         "PATH",
-        "SSH_AUTH_SOCK",  # the run's throwaway agent (bastion/run_agent.py)
+        "SSH_AUTH_SOCK",  # the run's throwaway agent (bastion/sandbox/run_agent.py)
         "USER",
     }, out
     home, cwd = lines["home"].split(" cwd: ")

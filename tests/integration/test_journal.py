@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal, journal_verify
 from bastion.core.events import EventType
 from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.journal import chain as journal
+from bastion.journal import verify as journal_verify
 from tests.harness import PASSPHRASE, Bastion, make_bastion, secret_needles, wait_for
 from tests.harness import bastion_cli as cli
 

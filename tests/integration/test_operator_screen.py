@@ -28,10 +28,10 @@ from pathlib import Path
 import pyte
 import pytest
 
-from bastion import opsock
 from bastion.agent import proxy as proxy_mod
 from bastion.cli.promptkeys import GUARD
 from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.ops import opsock
 from tests.harness import (
     PASSPHRASE,
     Agent,

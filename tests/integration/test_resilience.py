@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bastion import opsock
 from bastion.core.defaults import MAX_CONNECTIONS_PER_TENANT
 from bastion.devtools.sshd_fixture import SshdInfo
+from bastion.ops import opsock
 from tests.harness import (
     Bastion,
     approved_agent,

@@ -47,9 +47,9 @@ from pathlib import Path, PurePosixPath
 import psutil
 import pytest
 
-from bastion import service_unit
 from bastion.devtools.sshd_fixture import Sshd
-from bastion.service_unit import Mode, UnitInputs
+from bastion.ops import service_unit
+from bastion.ops.service_unit import Mode, UnitInputs
 from tests.harness import PASSPHRASE, bastion_cli, make_bastion, wait_for
 
 ANALYZE = shutil.which("systemd-analyze")

@@ -27,10 +27,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bastion import journal
 from bastion.core.events import EventType
-from bastion.courier import AUDIT, HEAD
 from bastion.devtools.rsyslog import Rsyslog, rsyslog_available
 from bastion.devtools.sshd_fixture import SshdInfo
-from bastion.witness_check import read_entries
+from bastion.journal.courier import AUDIT, HEAD
+from bastion.journal.witness_reading import read_entries
 from tests.harness import (
     PASSPHRASE,
     Agent,

@@ -169,7 +169,7 @@ def test_only_the_gateway_and_the_operators_commands_import_the_signers() -> Non
     for name, path in MODULES.items():
         if name.startswith(("bastion.ca.", "bastion.gateway.", "bastion.cli.")) or name in {
             "bastion.ca",
-            "bastion.ops",
+            "bastion.ops.actions",
         }:
             continue
         for target, line in imports(path):
@@ -178,7 +178,7 @@ def test_only_the_gateway_and_the_operators_commands_import_the_signers() -> Non
 
 
 def test_the_cli_client_wire_is_standard_library_only() -> None:
-    for target, line in imports(MODULES["bastion.opsock"]):
+    for target, line in imports(MODULES["bastion.ops.opsock"]):
         top = target.split(".")[0]
         allowed = top in sys.stdlib_module_names or target in {"__future__", "bastion.core.errors"}
         assert allowed, f"opsock.py:{line}: {target}"
@@ -311,3 +311,28 @@ def test_the_core_package_docstring_names_every_core_module() -> None:
     for path in sorted((PACKAGE / "core").glob("*.py")):
         if path.name != "__init__.py":
             assert f"`{path.stem}`" in doc, f"core/__init__.py does not name {path.stem}"
+
+
+# What may sit at the package root: the package face and the home's own files (its
+# layout, bastion.toml, the policy files). Everything else lives in the room of its idea.
+ROOT_MODULES = {"bastion", "bastion.home", "bastion.config", "bastion.policy_files"}
+ROOMS = {"agent", "ca", "cli", "core", "devtools", "gateway", "identity", "journal", "ops"}
+ROOMS |= {"sandbox", "vault", "data"}  # data: files the wheel ships, no code
+
+
+def test_no_module_at_the_package_root_but_the_face_and_the_homes_files() -> None:
+    """A flat package hides its architecture: 25 modules side by side say nothing of who
+    may import whom. A new module goes into a room, or a new room is named here."""
+    at_root = {name for name in MODULES if name.count(".") <= 1 and name != "bastion"}
+    rooms = {name for name in at_root if MODULES[name].name == "__init__.py"}
+    assert at_root - rooms == ROOT_MODULES - {"bastion"}
+    assert {name.split(".")[1] for name in rooms} == ROOMS
+
+
+def test_every_room_says_what_it_holds() -> None:
+    """A room's face names each of its modules, as `core/__init__` does for the core."""
+    for room in sorted(ROOMS):
+        doc = (PACKAGE / room / "__init__.py").read_text()
+        for path in sorted((PACKAGE / room).glob("*.py")):
+            if path.name != "__init__.py" and room not in {"cli", "devtools", "gateway"}:
+                assert f"`{path.stem}`" in doc, f"{room}/__init__.py does not name {path.stem}"

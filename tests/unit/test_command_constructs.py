@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from bastion.core.command import _scan, read_command
+from bastion.core.command import CODE_BUILTINS, _scan, read_command
 from bastion.core.display import escape_command_marked
 
 CORPUS = Path(__file__).parents[1] / "data" / "bypass_corpus.toml"
@@ -165,6 +165,9 @@ SHELLISH = st.text(alphabet=st.sampled_from(list("ab ;&|()<>{}$`'\"\\\n\t-=*#!~Ã
 # as inside the backquotes and read on; their `{}` was listed because the token `{` also
 # opens a brace group.
 @example('`"`{}')
+# Found by a run of this test: a code builtin after a blank is listed at its word, which
+# the scan does not flag (its words are plain) and which is not at offset 0.
+@example(" r")
 def test_the_listing_never_hides_source_and_never_overlaps(command: str) -> None:
     """Whatever the text: shell source lists at least one construct; the listed
     constructs are in order, inside the text, and do not overlap; and every one
@@ -184,6 +187,7 @@ def test_the_listing_never_hides_source_and_never_overlaps(command: str) -> None
     # What `read_command` adds to the scan's findings, judged over whole words:
     compounds |= {"variable assignment before the command"}
     compounds |= {"a shell keyword or builtin that runs what follows"}
+    compounds |= {builtin.describe() for builtin in CODE_BUILTINS}
     last_end = 0
     for c in reading.constructs:
         assert last_end <= c.offset and c.length >= 1 and c.offset + c.length <= size, reading

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from bastion import doctor
 from bastion.cli.doctor import line, render
 from bastion.config import Config, WitnessConfig
 from bastion.core.policy import build_policy, host_key_fingerprint
 from bastion.data import EXAMPLE_POLICY
-from bastion.doctor import Check, Context, Status
 from bastion.home import Home
-from bastion.isolation import Isolation
+from bastion.ops import doctor
+from bastion.ops.doctor import Check, Context, Status
+from bastion.sandbox.isolation import Isolation
 
 KEY1 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGTn3rMnQ4caK5KXXDWfLOi0KRSSxWda2/bv8ow7cg06"
 KEY2 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID/S3ghEp/P2hE0Hj28lsUaWTDSfIg4C/2VA1mNVQ4MM"

@@ -86,7 +86,7 @@ def test_the_package_defines_exceptions_and_the_walk_finds_them() -> None:
     """The checks below would pass on nothing if the walk found nothing."""
     found = exception_classes()
     assert "core.contract.Refusal" in found
-    assert "opsock.GatewayNotRunning" in found
+    assert "ops.opsock.GatewayNotRunning" in found
 
 
 def test_every_exception_class_descends_from_the_root() -> None:
@@ -124,9 +124,12 @@ def test_the_drawing_is_read_as_drawn() -> None:
     tree = drawn()
     assert tree["core.contract.Refusal"] == (ROOT, frozenset())
     assert tree["core.certs.CertError"] == (ROOT, frozenset({"ValueError"}))
-    assert tree["opsock.GatewayNotRunning"] == ("opsock.OperatorError", frozenset())
-    assert tree["vault_file.KeyFilePassphraseNeeded"] == ("vault_file.VaultError", frozenset())
-    assert tree["courier.Undelivered"] == (ROOT, frozenset())
+    assert tree["ops.opsock.GatewayNotRunning"] == ("ops.opsock.OperatorError", frozenset())
+    assert tree["vault.file_format.KeyFilePassphraseNeeded"] == (
+        "vault.file_format.VaultError",
+        frozenset(),
+    )
+    assert tree["journal.courier.Undelivered"] == (ROOT, frozenset())
 
 
 def test_a_refusal_passes_through_a_context_manager_and_stays_frozen() -> None:

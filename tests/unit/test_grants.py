@@ -31,7 +31,7 @@ from bastion.gateway.approvals import CardError, GrantAsk
 from bastion.gateway.control import grant_arg
 from bastion.gateway.service import AgentConn, new_request_id
 from bastion.gateway.stdin import Taken
-from bastion.opsock import OperatorError
+from bastion.ops.opsock import OperatorError
 from tests.unit.fakes import (
     KEY,
     PASSPHRASE,

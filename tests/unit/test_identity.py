@@ -151,7 +151,7 @@ def test_a_start_time_survives_a_wall_clock_step(monkeypatch: pytest.MonkeyPatch
     boot on one boot-time reading, so a step in /proc/stat's btime changes nothing."""
     import os
 
-    from bastion import identity
+    from bastion.identity import resolver as identity
 
     before = identity._start_time(os.getpid())
     stat = Path("/proc/stat").read_text()

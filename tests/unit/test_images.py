@@ -1,4 +1,4 @@
-"""Which exec a process is in (bastion/images.py), the sha256 cache that must not go
+"""Which exec a process is in (bastion/identity/images.py), the sha256 cache that must not go
 stale, the JSON of a path that is not UTF-8, and the approval book ending every
 grant of a process that exec'd. Real child processes where /proc is the point."""
 
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from bastion import images as images_mod
 from bastion.core.cards import Card
 from bastion.core.contract import Failure
 from bastion.core.events import Result
 from bastion.core.gate import Request
 from bastion.core.subject import ExecWatch, ProcessInfo, Subject, exact_base64, shown_path
 from bastion.gateway.service import AgentConn, new_request_id
-from bastion.images import CTIME_MARGIN_NS, ExeHasher, Images, layout
+from bastion.identity import images as images_mod
+from bastion.identity.images import CTIME_MARGIN_NS, ExeHasher, Images, layout
 from tests.unit.fakes import (
     PASSPHRASE,
     FakeGateway,

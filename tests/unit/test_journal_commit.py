@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal, journal_verify
 from bastion.core.events import EventType
 from bastion.gateway import recorder as recorder_mod
 from bastion.gateway.recorder import Recorder
+from bastion.journal import chain as journal
+from bastion.journal import verify as journal_verify
 
 pytestmark = pytest.mark.unit
 

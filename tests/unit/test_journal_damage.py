@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal, journal_verify
+from bastion import journal
 from bastion.core.events import EventType
+from bastion.journal import verify as journal_verify
 
 pytestmark = pytest.mark.unit
 

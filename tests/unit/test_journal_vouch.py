@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import journal, journal_verify
 from bastion.core.events import EventType, event_type, recover
+from bastion.journal import chain as journal
+from bastion.journal import verify as journal_verify
 
 
 def lifetime(directory: Path, ident: journal.Identity, boot: str, n: int) -> journal.Journal:

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from bastion.logfmt import EscapingFormatter
+from bastion.gateway.logfmt import EscapingFormatter
 
 HOSTILE = "\r\x1b[2K\x1b[3Acommand:  uptime\n\u3164\u202e"
 SHOWN = "\\x0d\\x1b[2K\\x1b[3Acommand:  uptime\\x0a\\u3164\\u202e"
@@ -54,7 +54,7 @@ def test_a_traceback_is_escaped_and_indented_under_the_prefix() -> None:
 
 SCRIPT = """
 import logging, threading, warnings
-from bastion import logfmt
+from bastion.gateway import logfmt
 logfmt.setup()
 hostile = "\\x1b[2J\\u3164"
 logging.getLogger("asyncssh").warning("a library: %s", hostile)

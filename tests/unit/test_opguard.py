@@ -11,9 +11,9 @@ import socket
 
 import pytest
 
-from bastion import identity
 from bastion.core.opguard import INSIDE_AN_AGENT, ROOT_UID, Caller, admit
 from bastion.gateway.opserver import observe
+from bastion.identity import resolver as identity
 
 DAEMON = 1000
 OTHER = 1001

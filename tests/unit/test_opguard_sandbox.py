@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from bastion.core.opguard import INSIDE_A_SANDBOX, INSIDE_AN_AGENT, ROOT_UID, Caller, admit
-from bastion.gateway import procs
+from bastion.identity import procs
 
 DAEMON = 1000
 OTHER = 1001

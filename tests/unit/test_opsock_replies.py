@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.opsock import OperatorError, call
+from bastion.ops.opsock import OperatorError, call
 
 
 def serve_once(path: Path, reply: bytes) -> threading.Thread:

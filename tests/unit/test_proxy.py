@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from bastion.agent import proxy
 from bastion.agent.proxy import read_reply
 from bastion.core.contract import CONTRACT, Code
-from bastion.opsock import loads_line
+from bastion.ops.opsock import loads_line
 
 ARGS = ["web1", "22", "deploy"]
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from bastion import run_agent
-from bastion.run_agent import ThrowawayAgent
+from bastion.sandbox import run_agent
+from bastion.sandbox.run_agent import ThrowawayAgent
 
 
 def frame(kind: int, body: bytes = b"") -> bytes:

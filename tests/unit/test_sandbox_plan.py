@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bastion import sandbox
+import bastion
 from bastion.sandbox import Given, Layout
+from bastion.sandbox import per_run as sandbox
 
 
 def _pairs(argv: list[str], flag: str) -> list[str]:
@@ -113,7 +114,7 @@ def test_what_the_operator_runs_later_is_read_only(tmp_path: Path, layout: Layou
     env = {"HOME": str(layout.home), "TMUX": "/srv/op.sock,123,0"}
     real = sandbox.layout_of(layout.bastion_home, layout.agent_dir / "agent.sock", env)
     assert layout.home / ".bashrc" in real.read_only
-    package = Path(sandbox.__file__).resolve().parent  # bastion's package, or its checkout
+    package = Path(bastion.__file__).resolve().parent  # bastion's package, or its checkout
     assert package in real.read_only or package.parent in real.read_only
     assert Path("/srv/op.sock") in real.extra_hidden  # the socket $TMUX names
     argv = sandbox.plan(real)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bastion import sdnotify
-from bastion.sdnotify import Notifier, Target
+from bastion.gateway import sdnotify
+from bastion.gateway.sdnotify import Notifier, Target
 
 
 @pytest.mark.parametrize(

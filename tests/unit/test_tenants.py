@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from bastion.core.subject import Subject, SubjectKind
-from bastion.gateway import procs
 from bastion.gateway.tenants import Caps, RunRefused, Tenant, TenantKind, Tenants
+from bastion.identity import procs
 from tests.harness import wait_for
 
 UID = os.getuid()

@@ -10,8 +10,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from bastion import service_unit
-from bastion.service_unit import Mode, UnitError, UnitInputs, quote, render
+from bastion.ops import service_unit
+from bastion.ops.service_unit import Mode, UnitError, UnitInputs, quote, render
 
 PY = PurePosixPath("/opt/bastion/venv/bin/python3")
 HOME = PurePosixPath("/home/alice/.local/share/bastion")

@@ -21,7 +21,6 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from bastion import vault as vault_mod
-from bastion import vault_file
 from bastion.vault import (
     KeyFilePassphraseNeeded,
     Vault,
@@ -30,6 +29,7 @@ from bastion.vault import (
     WrongPassphrase,
     load_private_key_file,
 )
+from bastion.vault import file_format as vault_file
 
 PW = b"correct horse battery staple"
 needs_keygen = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="no ssh-keygen")

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bastion import courier, journal, witness, witness_check
+from bastion import journal
 from bastion.config import SyslogTarget, WitnessConfig
 from bastion.core.events import EventType, activity
-from bastion.courier import AUDIT, HEAD, Spool
+from bastion.journal import courier, witness
+from bastion.journal import witness_reading as witness_check
+from bastion.journal.courier import AUDIT, HEAD, Spool
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 `bastion service install` writes it (see cli/service.py). What the unit
 promises: the same `bastion daemon` an operator would start by hand, with an
 explicit `--home`; `Type=notify`, so systemd counts the gateway as started only
-once both sockets listen (`sdnotify.py` sends `READY=1`); a watchdog fed from the
+once both sockets listen (`gateway/sdnotify.py` sends `READY=1`); a watchdog fed from the
 gateway's event loop, so a wedged loop is restarted; `Restart=on-failure`. The
 gateway starts locked after every (re)start: the passphrase never goes into
 the unit, and only `bastion unlock` opens the vault.

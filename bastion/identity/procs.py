@@ -1,7 +1,7 @@
 """What the gateway reads of a process besides the identity walk: one line of
 /proc/PID/stat, the kernel's boot id, and the namespaces a process lives in.
 
-`identity.py` walks a peer's whole chain with psutil (about 0.15 ms a process)
+`resolver.py` walks a peer's whole chain with psutil (about 0.15 ms a process)
 to decide who is asking. Two things need less, and need it where that walk is
 too dear or has not happened yet: the tenant a connection counts against
 (`tenants.py`, asked for every connection before its walk is queued) needs
@@ -11,7 +11,7 @@ gateway restart does not change. Both read one file per process here.
 
 A `Lasting` name is (kernel boot id, pid, start in clock ticks since boot): it
 names one process for the whole life of one kernel boot, whatever the wall
-clock does (the start time `identity.py` reports is built on /proc/stat's
+clock does (the start time `resolver.py` reports is built on /proc/stat's
 btime, which moves when the clock is stepped) and whichever gateway lifetime
 reads it.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from bastion.core.subject import Subject
 from bastion.identity import alive
-from bastion.images import stat_fields
+from bastion.identity.images import stat_fields
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 NAMESPACES = ("pid", "user")  # a run's sandbox has its own of both

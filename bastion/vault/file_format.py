@@ -8,7 +8,7 @@ daemon and an offline CLI may both write, so every write takes a flock on `<vaul
 and re-reads the file first.
 
 This module is the format: `VaultFile` (the parsed, validated contents, read and written
-whole), its sealed `Record`s and `Secret`s, the `Kdf`, and `write_lock`. `vault.py` is the
+whole), its sealed `Record`s and `Secret`s, the `Kdf`, and `write_lock`. `store.py` is the
 vault in memory -- the handle that holds the derived key while unlocked -- and uses only
 this public API, so the format's insides (the verifier, the associated data, base64) stay here.
 """

@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives import serialization
 from bastion import journal
 from bastion.config import WitnessConfig
 from bastion.core.events import TERMINAL, EventType, activity, event_type, without_commands
-from bastion.courier import AUDIT, HEAD, Courier, FileWitness, Spool, SyslogWitness, dumps
+from bastion.journal.courier import AUDIT, HEAD, Courier, FileWitness, Spool, SyslogWitness, dumps
 
 log = logging.getLogger("bastion")
 

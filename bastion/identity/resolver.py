@@ -42,7 +42,7 @@ from bastion.core.subject import (
     SubjectKind,
     subject_index,
 )
-from bastion.images import ExeHasher, Images, stat_fields
+from bastion.identity.images import ExeHasher, Images, stat_fields
 
 DEFAULT_WRAPPERS = frozenset(
     {"sh", "bash", "dash", "zsh", "fish", "ksh", "mksh", "env", "timeout", "nice", "nohup"}

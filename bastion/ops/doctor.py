@@ -29,13 +29,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bastion import isolation, opsock, sandbox
+from bastion import sandbox
 from bastion.config import Config, ConfigError, load_config
 from bastion.core.certs import CA_LABEL_PREFIX, Auth
 from bastion.core.policy import Host, Policy, PolicyError
 from bastion.data import EXAMPLE_POLICY
 from bastion.home import Home
+from bastion.ops import opsock
 from bastion.policy_files import load_policy_dir
+from bastion.sandbox import isolation
 
 HOST_TIMEOUT = 5.0  # seconds for each policy host's sshd to show its host key
 GATEWAY_TIMEOUT = 5.0  # seconds for the gateway to answer `status`

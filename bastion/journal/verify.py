@@ -1,7 +1,7 @@
 """Checking a journal from its files alone: `verify` (order, chain, signatures,
 vouches, head.json) and `unvouched_boots` (records no vouch of the journal identity
 covers). Needs the public identity only -- no passphrase, no gateway. The format
-itself (records, chain, writer, what a vouch is: `journal.vouched`) is `journal.py`'s.
+itself (records, chain, writer, what a vouch is: `journal.vouched`) is `chain.py`'s.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from bastion import journal
 from bastion.core.events import EventType
-from bastion.courier import AUDIT, HEAD
-from bastion.witness import journal_id
+from bastion.journal.courier import AUDIT, HEAD
+from bastion.journal.witness import journal_id
 
 _JSON = json.JSONDecoder()
 

@@ -1,6 +1,6 @@
 """The encrypted key store: the only place private keys exist at rest.
 
-The file's format and its locked, atomic writes are `vault_file.py`; this is the vault in
+The file's format and its locked, atomic writes are `file_format.py`; this is the vault in
 memory, the handle the gateway and the CLI hold: unlocked, it keeps the derived key. The
 persisted `epoch` rises on every unlock and lock and never goes back: approvals are bound
 to it, so any change of vault state voids them. Besides SSH keys the vault seals small
@@ -19,7 +19,7 @@ from pathlib import Path
 import asyncssh
 from cryptography.exceptions import InvalidTag
 
-from bastion.vault_file import (
+from bastion.vault.file_format import (
     GENERATE,
     IMPORTABLE,
     KDF_FIELDS,
