@@ -99,9 +99,11 @@ def test_the_citations_are_found_where_they_are() -> None:
     """Both checks would pass on nothing if the reader found no citation."""
     gate = citations(ROOT / "bastion" / "core" / "gate.py")
     assert (ARCHITECTURE, "The gate") in gate
-    wrapped = citations(ROOT / "bastion" / "identity.py")  # "Who is / asking" over two lines
+    wrapped = citations(
+        ROOT / "bastion" / "identity" / "resolver.py"
+    )  # "Who is / asking" over two lines
     assert (ARCHITECTURE, "Who is asking") in wrapped
-    assert (README, "The journal") in citations(ROOT / "bastion" / "doctor.py")
+    assert (README, "The journal") in citations(ROOT / "bastion" / "ops" / "doctor.py")
     assert (ARCHITECTURE, "The rooms") in citations(ARCHITECTURE)
     assert "The promises" in headings(ARCHITECTURE)
 
@@ -117,7 +119,7 @@ def test_the_history_lives_in_the_changelog() -> None:
 def test_the_readme_carries_the_threat_model_status_prints() -> None:
     """One table, two places: `bastion status` prints `isolation.THREATS`, and the
     README's "The sandbox" section shows the same rows, word for word."""
-    from bastion.threat_model import threat_table
+    from bastion.sandbox.threat_model import threat_table
 
     lines = README.read_text().splitlines()
     table = threat_table()
