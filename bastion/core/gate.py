@@ -213,6 +213,9 @@ class World:
     tenant: str = ""  # that tenant, as the agent is told of it
     own_connection: bool | None = None  # later channel: only its client can send (None: unseen)
     grants: tuple[Grant, ...] = ()  # the live bounded grants of the session found (`core/grants`)
+    # Session grants the subject's process holds under another exec (another image or
+    # executable): observed here, ended by `exec_endings`.
+    other_exec: tuple[SessionGrant, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -473,6 +476,25 @@ def file_resolved(account: Account, op: FileOp, found: tuple[Resolution, ...]) -
     )
 
 
+def exec_endings(world: World) -> tuple[str, ...]:
+    """The session grants an exec ends: the same process in another exec is not what
+    was approved, so every grant it holds under the old one ends, for every entry, as
+    `process_changed` -- unless this entry already has a grant of the new exec. The
+    service carries the ending out; building the world never does."""
+    if world.session is not None:
+        return ()
+    return tuple(grant.id for grant in world.other_exec)
+
+
+def why_ended(req: Request, world: World) -> EndReason | None:
+    """Why this entry has no grant, for its card: an exec that ended one of this entry's
+    grants says so, else the reason the approvals of a matching subject last ended."""
+    here = (req.host.lower(), req.user)
+    if exec_endings(world) and any((g.host.lower(), g.user) == here for g in world.other_exec):
+        return EndReason.PROCESS_CHANGED
+    return world.ended
+
+
 def unsupported(req: Request, world: World) -> str | None:
     """What the agent is told when its request is not one exec bastion can run exactly
     as decided, from the process that asked, or None."""
@@ -634,7 +656,7 @@ def evaluate(req: Request, world: World) -> Verdict:
         )
     session = world.session
     if session is None:
-        return crowded(world) or AskSession(host, account, digest, world.ended)
+        return crowded(world) or AskSession(host, account, digest, why_ended(req, world))
     stale = session_problem(session, world, digest)
     if stale is not None:
         return crowded(world) or AskSession(host, account, digest, stale)

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 
 from bastion.core.contract import Code, Refusal
-from bastion.core.events import CAUSE_LOST, Outcome, Result
+from bastion.core.events import CAUSE_KILLED, CAUSE_LOST, Outcome, Result
 
 
 class Fact(enum.Enum):
@@ -209,6 +209,18 @@ def lost(host: str, why: str) -> Result:
         code=Code.STATUS_UNKNOWN,
         message=f'The command was sent to "{host}" but {why}. It may or may not have run: '
         "inspect the target before retrying.",
+    )
+
+
+def killed(cut_off: Result) -> Result:
+    """The operator ended the command (`bastion kill`) before an exit status came back:
+    still unknown, but the agent is told who ended it, so it does not blame the target."""
+    return Result(
+        Outcome.UNKNOWN,
+        code=cut_off.code,
+        message="The operator ended this command before it reported an exit status; it "
+        "may or may not have finished. Inspect the target before retrying.",
+        cause=CAUSE_KILLED,
     )
 
 

@@ -237,29 +237,29 @@ class ApprovalBook:
         self, subject: Subject, host: str, user: str, conversation: str | None
     ) -> tuple[SessionGrant | None, EndReason | None]:
         """The live grant for this subject and entry, else why a matching one ended.
-
-        The same process in another exec (another image, or another executable)
-        is not what was approved: every grant it holds ends, for every entry,
-        with `process_changed` -- and this card says so."""
+        Only reads: what an exec ends is the gate's to say (`gate.exec_endings`)."""
         live = self._sessions.get((subject.key, host.lower(), user))
         if live is not None:
             return live.grant, None
-        stale = [
-            old
+        return None, self._ended.get(_match_key(subject, conversation, host, user))
+
+    def other_exec(self, subject: Subject) -> tuple[SessionGrant, ...]:
+        """The grants `subject`'s process holds under another exec than its own."""
+        return tuple(
+            old.grant
             for old in self._sessions.values()
             if old.grant.subject_key.process == subject.process_key
             and old.grant.subject_key != subject.key
-        ]
-        if stale:
-            ids = {old.grant.id for old in stale}
-            self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
-            for old in stale:  # its next card for those entries, under the new exe, says why
-                key = _match_key(subject, old.conversation, old.grant.host, old.grant.user)
-                self._remember(key, EndReason.PROCESS_CHANGED)
-            here = (host.lower(), user)
-            if any((old.grant.host.lower(), old.grant.user) == here for old in stale):
-                return None, EndReason.PROCESS_CHANGED
-        return None, self._ended.get(_match_key(subject, conversation, host, user))
+        )
+
+    def end_for_exec(self, subject: Subject, ids: tuple[str, ...]) -> None:
+        """End the grants `ids` that `subject`'s process held under its old exec, as
+        `process_changed`; its next card for each of their entries says why."""
+        stale = [live for live in self._sessions.values() if live.grant.id in ids]
+        self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
+        for old in stale:
+            key = _match_key(subject, old.conversation, old.grant.host, old.grant.user)
+            self._remember(key, EndReason.PROCESS_CHANGED)
 
     def sessions(self) -> list[tuple[SessionGrant, Subject]]:
         return [(live.grant, live.subject) for live in self._sessions.values()]

@@ -34,7 +34,6 @@ from bastion.core.cards import Card, Withdrawal, make_card
 from bastion.core.contract import Failure, Refusal
 from bastion.core.defaults import APPROVAL_TIMEOUT, MAX_ROUNDS
 from bastion.core.events import (
-    CAUSE_KILLED,
     EventType,
     Outcome,
     Recovery,
@@ -53,6 +52,7 @@ from bastion.core.gate import (
     World,
     after_wait,
     evaluate,
+    exec_endings,
     final_check,
     intake,
     no_slot,
@@ -63,7 +63,7 @@ from bastion.core.gate import (
 )
 from bastion.core.grants import Grant, GrantEnd
 from bastion.core.policy import Account, Host
-from bastion.core.refusals import not_started
+from bastion.core.refusals import killed, not_started
 from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.core.waiting import waiting_line, wanted
 from bastion.gateway.actions import ActionKeys
@@ -281,7 +281,8 @@ class Service:
         command_card: str | None,
         arrival: Arrival | None = None,
     ) -> World:
-        """Everything the gate may look at, now: each value observed, none judged."""
+        """Everything the gate may look at, now: each value observed, none judged, and
+        nothing changed -- reading the world journals nothing and ends nothing."""
         seen = arrival or Arrival(lost=self.recorder.lost)
         grant, ended = self.book.session_for(subject, req.host, req.user, conversation)
         tenant = Tenant.of_subject(subject)
@@ -311,7 +312,24 @@ class Service:
             held_bytes=self.held[tenant],
             tenant=str(tenant),
             grants=self.book.grants_for(grant.id) if grant is not None else (),
+            other_exec=self.book.other_exec(subject),
         )
+
+    def look(
+        self,
+        req: Request,
+        subject: Subject,
+        conversation: str | None,
+        command_card: str | None,
+        arrival: Arrival | None = None,
+    ) -> World:
+        """The world, after carrying out what the gate says it ends (`exec_endings`:
+        the grants of the subject's old exec), so the next look finds them ended."""
+        world = self.world(req, subject, conversation, command_card, arrival)
+        ending = exec_endings(world)
+        if ending:
+            self.book.end_for_exec(subject, ending)
+        return world
 
     # -- one request ---------------------------------------------------------------------
 
@@ -357,7 +375,7 @@ class Service:
                     conn, req, conversation, decided, streams, arrival, perform
                 )
         except NoSlot as busy:
-            now = self.world(req, conn.peer.subject, conversation, decided.command_card, arrival)
+            now = self.look(req, conn.peer.subject, conversation, decided.command_card, arrival)
             ended = after_wait(req, now, no_slot(str(busy)))
             return self._denied(conn, req, ended.failure(req.request_id))
         finally:
@@ -406,7 +424,7 @@ class Service:
         """The agent inspected the target after an unknown outcome: its action is clear
         again -- unless the gateway does not take this request at all (`gate.intake`)."""
         assert req.action is not None
-        world = self.world(req, conn.peer.subject, conversation, None, arrival)
+        world = self.look(req, conn.peer.subject, conversation, None, arrival)
         if intake(req, world) is None and self.actions.acknowledge(req.action):
             self.recorder.record(
                 EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
@@ -430,7 +448,7 @@ class Service:
         command_card: str | None = None
         reason: EndReason | None = None
         for _ in range(MAX_ROUNDS + 1):  # + the one round that reads stdin
-            world = self.world(req, conn.peer.subject, conversation, command_card, arrival)
+            world = self.look(req, conn.peer.subject, conversation, command_card, arrival)
             verdict = evaluate(req, world)
             if isinstance(verdict, Dispatch) and verdict.grant is not None:
                 # A bounded grant covers it: take one use now, with no await since the
@@ -542,7 +560,7 @@ class Service:
         seen = arrival or Arrival(lost=self.recorder.lost)
 
         def last_word() -> Refusal | None:
-            world = self.world(req, conn.peer.subject, conversation, decided.command_card, seen)
+            world = self.look(req, conn.peer.subject, conversation, decided.command_card, seen)
             return final_check(req, world, chosen)
 
         intent = Intent(
@@ -590,14 +608,7 @@ class Service:
         finally:
             self.inflight.pop(req.request_id, None)
         if result.outcome is Outcome.UNKNOWN and flight.killed:
-            result = Result(
-                Outcome.UNKNOWN,
-                code=result.code,
-                message="The operator ended this "
-                "command before it reported an exit status; it may or may not have "
-                "finished. Inspect the target before retrying.",
-                cause=CAUSE_KILLED,
-            )
+            result = killed(result)
         self.recorder.outcome(req.request_id, result)
         if req.action is not None:
             self.actions.outcome(req.action, req.request_id, result.outcome)

@@ -398,6 +398,28 @@ async def test_an_exec_into_another_binary_ends_the_approval(rig: Rig) -> None:
     waiting.cancel()
 
 
+async def test_building_the_world_journals_nothing_and_ends_nothing(rig: Rig) -> None:
+    """Reading the world only reads: what an exec ends is the gate's to say
+    (`gate.exec_endings`) and the service's to carry out (`look`), never the
+    snapshot's. The control: `look` at the same moment ends the old exec's grant."""
+    agent = rig.tree.spawn()
+    conn = rig.life.connect(agent)
+    task = rig.send(conn)
+    await rig.approve()
+    await task
+    agent.exe = "/usr/bin/other"  # the same process, exec'd into another executable
+    conn = rig.life.connect(agent)
+    service, subject = rig.life.service, conn.peer.subject
+    req = Request(new_request_id(), conn.host, conn.user, b"echo hi", subject.key)
+    records, sessions = len(rig.journal.records), rig.life.book.sessions()
+    world = service.world(req, subject, None, None)
+    assert world.session is None and len(world.other_exec) == 1
+    assert len(rig.journal.records) == records and rig.life.book.sessions() == sessions
+    service.look(req, subject, None, None)
+    assert rig.life.book.sessions() == []
+    assert rig.journal.of(EventType.SESSION_ENDED)[-1].meta["reason"] == "process_changed"
+
+
 async def test_a_policy_edit_ends_approvals_of_that_entry(rig: Rig) -> None:
     conn = rig.life.connect(rig.tree.spawn())
     task = rig.send(conn)
