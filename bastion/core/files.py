@@ -424,7 +424,7 @@ def sftp_status(exit_status: int) -> int:
 # path the walk found -- which has no symlink in it, so the target's kernel follows none
 # unless one is made after the walk. Bastion's own file operations on one target
 # account are carried one at a time from their walk to the target's answer
-# (`gateway/sftp.py`), so none of them can make one in between.
+# (`gateway/sftp_broker.py`), so none of them can make one in between.
 
 MAX_LINKS = 32  # symlinks one walk follows; fewer than the kernel's 40 and sftp-server's 33
 
@@ -476,7 +476,7 @@ NAME_ITSELF = frozenset(
     {FileKind.REMOVE, FileKind.RENAME, FileKind.MKDIR, FileKind.RMDIR, FileKind.LINK}
 )
 
-# One walk's questions and answers; a generator the edge drives (`gateway/sftp.py`).
+# One walk's questions and answers; a generator the edge drives (`gateway/sftp_broker.py`).
 Walk = Generator[Lstat | Readlink, "tuple[Node, ...] | str | None", Resolution]
 
 

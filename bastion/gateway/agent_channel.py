@@ -2,11 +2,14 @@
 
 An agent speaks SSH to the gateway, and an SSH client may send a session
 channel many requests besides the one `exec` the gateway serves. Each is
-answered here without touching the command's relay; see `AgentChannel`.
+answered here without touching the command's relay; see `AgentChannel`. The
+session process on it (`SubsystemProcess`) hands every exec and subsystem request to
+the gateway's own factory, so no asyncssh default ever serves one.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -109,3 +112,22 @@ class AgentChannel(asyncssh.SSHServerChannel):  # type: ignore[type-arg]
         packet.get_string()
         packet.check_end()
         return False
+
+
+class SubsystemProcess(asyncssh.SSHServerProcess):  # type: ignore[type-arg]
+    """The agent's session: every subsystem request reaches the gateway's own process
+    factory (`agent_ssh._serve`), which serves `sftp` here and refuses the rest with
+    the agent-facing error; asyncssh's own sftp server (the gateway's files) never runs."""
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        return True
+
+    def session_started(self) -> None:
+        chan = self._chan
+        stdin = asyncssh.SSHReader[bytes](self, chan)  # type: ignore[arg-type]
+        stdout = asyncssh.SSHWriter[bytes](self, chan)  # type: ignore[arg-type]
+        stderr = asyncssh.SSHWriter[bytes](self, chan, asyncssh.EXTENDED_DATA_STDERR)  # type: ignore[arg-type]
+        handler = self._start_process(stdin, stdout, stderr)  # type: ignore[arg-type]
+        if inspect.isawaitable(handler):
+            assert self._conn is not None
+            self._conn.create_task(handler, stdin.logger)

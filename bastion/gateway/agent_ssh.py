@@ -68,13 +68,13 @@ from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer, SubjectKind
 from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.gateway.admission import NoSlot
-from bastion.gateway.agent_channel import AgentChannel, forwarding_refused
+from bastion.gateway.agent_channel import AgentChannel, SubsystemProcess, forwarding_refused
 from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
 from bastion.gateway.service import AgentConn, Service, new_request_id
-from bastion.gateway.sftp import Later, SubsystemProcess
 from bastion.gateway.sftp import serve as serve_sftp
+from bastion.gateway.sftp_broker import Later
 from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials, procs
 from bastion.ops.opsock import loads_line

@@ -250,7 +250,7 @@ class Service:
         self.actions = ActionKeys()
         # Bytes of per-command uploads each tenant holds for their file cards (`sftp`).
         self.held: Counter[Tenant] = Counter()
-        # Each target account's turn for file operations, walk to answer (`sftp.Broker.turn`).
+        # Each target account's turn for file operations, walk to answer (`Broker.turn`).
         self.file_turns: dict[tuple[str, int, str], asyncio.Lock] = {}
         self.connections: set[AgentConn] = set()
         self.inflight: dict[str, InFlight] = {}

@@ -14,30 +14,11 @@ agent closes the file; the file card then shows its path, size, sha256 and mode,
 only the approved bytes are written, whole, on the target. A session account's write
 streams: its path is decided at open, and what went through is journaled at close.
 
-Paths: the agent's path is made absolute against the home the target reported
-(`realpath(".")`, which every sftp client asks first) and folded lexically; then, right
-before the operation leaves, the walk (`core/files.walk`, asked through `Broker.walk`:
-one batch of lstats, a readlink per symlink) finds where it leads on the target, and
-the gate decides on that (`gate.file_resolved`): a path whose end cannot be told
-exactly (more than `MAX_LINKS` links, a dangling link, a link it cannot read) is
-refused, and the operation is sent for the walked path, which has no symlink left in
-it, so nothing the target resolves can move it. sftp-server's own `realpath` is never
-asked for a decision: it gives up at a smaller depth than the kernel's `open()`.
-
-The turn (`Broker.turn`, `Service.file_turns`): one target account's file operations,
-from every agent channel of this gateway, are carried one at a time from their walk to
-the target's answer, so none of bastion's own (a rename of a symlink into place) lands
-between another's walk and its use. What remains: a process on the target -- a command
-bastion let run, still running, included -- that swaps a walked directory for a symlink
-between the walk and the use can still redirect an operation (TOCTOU); the sftp
-protocol has no open-beneath or no-follow open, and bastion cannot close that from
-outside the target. An account whose commands are not trusted to run unwatched should
-not also have files rules wider than those commands.
-
 Nothing here serves the gateway's own files: `Brokered` overrides every method of
 asyncssh's `SFTPServer` (a unit test checks that none is left to the base class), and
 its client relays reads and writes concurrently (`_Handler`): the agent's client
-decides how many it keeps in flight.
+decides how many it keeps in flight. Where an operation acts (the walk) and when (the
+turn) are the broker's (`gateway/sftp_broker.py`); this is the server surface.
 """
 
 from __future__ import annotations
@@ -45,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import inspect
 import logging
-import stat
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncssh
@@ -65,62 +44,23 @@ from asyncssh.constants import (
 from asyncssh.packet import PacketDecodeError, SSHPacket
 from asyncssh.sftp import SFTPServerHandler
 
-from bastion.core.contract import Failure
-from bastion.core.defaults import MAX_FILE_CARD_BYTES, MAX_HELD_BYTES_PER_TENANT
-from bastion.core.events import Outcome, Result
+from bastion.core.defaults import MAX_FILE_CARD_BYTES
 from bastion.core.files import (
     FileKind,
     FileOp,
-    Lstat,
-    Node,
-    Resolution,
-    absolute,
-    follows_last,
-    sftp_status,
-    walk,
 )
-from bastion.core.gate import Channel, Dispatch, Request, file_resolved
-from bastion.core.policy import Account, ApprovalMode, Host, Policy
-from bastion.core.refusals import Fact, lost, refusal
-from bastion.gateway.intent import Intent
-from bastion.gateway.mux import MuxView
-from bastion.gateway.service import AgentConn, Service, new_request_id
-from bastion.gateway.tenants import Tenant
+from bastion.core.policy import ApprovalMode, Policy
+from bastion.gateway.service import AgentConn, Service
+from bastion.gateway.sftp_broker import At, Broker, Later, OpenSftp, never, sftp_error
 from bastion.gateway.trim import TRIMMER
 
 log = logging.getLogger("bastion.sftp")
 
+
 MAX_RELAYED = 64  # reads and writes of one channel in flight at once
+
+
 WRITE_CHUNK = 256 * 1024  # a held write goes to the target in pieces this size
-
-
-@dataclass(frozen=True)
-class Later:
-    """An sftp channel opened after another on its connection: who was seen connected
-    to a run's ControlMaster as it opened, and whether only its own client can send
-    through the connection (`senders.own_connection`); the gate decides on both."""
-
-    opened: MuxView | None
-    own: bool | None
-
-
-class SubsystemProcess(asyncssh.SSHServerProcess):  # type: ignore[type-arg]
-    """The agent's session: every subsystem request reaches the gateway's own process
-    factory (`agent_ssh._serve`), which serves `sftp` here and refuses the rest with
-    the agent-facing error; asyncssh's own sftp server (the gateway's files) never runs."""
-
-    def subsystem_requested(self, subsystem: str) -> bool:
-        return True
-
-    def session_started(self) -> None:
-        chan = self._chan
-        stdin = asyncssh.SSHReader[bytes](self, chan)  # type: ignore[arg-type]
-        stdout = asyncssh.SSHWriter[bytes](self, chan)  # type: ignore[arg-type]
-        stderr = asyncssh.SSHWriter[bytes](self, chan, asyncssh.EXTENDED_DATA_STDERR)  # type: ignore[arg-type]
-        handler = self._start_process(stdin, stdout, stderr)  # type: ignore[arg-type]
-        if inspect.isawaitable(handler):
-            assert self._conn is not None
-            self._conn.create_task(handler, stdin.logger)
 
 
 class _Handler(SFTPServerHandler):
@@ -210,298 +150,6 @@ async def serve(
         end()
         await broker.close()
         TRIMMER.ended()  # a transfer's pages go back once the gateway is quiet
-
-
-OpenSftp = Callable[
-    [Host, Account, int], Awaitable[tuple[asyncssh.SFTPClient, Callable[[], Awaitable[None]]]]
-]
-
-
-def _err(code: int, reason: str) -> asyncssh.SFTPError:
-    return asyncssh.SFTPError(code, reason)
-
-
-@dataclass(eq=False)
-class _Lease:
-    """The sftp channel operations ride, for one vault epoch's connection."""
-
-    client: asyncssh.SFTPClient
-    give_back: Callable[[], Awaitable[None]]
-    epoch: int
-
-
-@dataclass(eq=False)
-class _Box:
-    """What one operation produced, for the agent's answer."""
-
-    value: Any = None
-    error: asyncssh.SFTPError | None = None
-
-
-class Broker:
-    """One sftp channel's state: who asks, the home the target reported, the channel
-    to the target, and each operation's trip through the request path."""
-
-    def __init__(
-        self,
-        service: Service,
-        conn: AgentConn,
-        conversation: str | None,
-        ssh_user: str,
-        stderr: asyncssh.SSHWriter[bytes],
-        open_sftp: OpenSftp,
-    ) -> None:
-        self.service = service
-        self.conn = conn
-        self.conversation = conversation
-        self.ssh_user = ssh_user
-        self.stderr = stderr
-        self.open_sftp = open_sftp
-        self.wait_line: str | None = None  # the agent's BASTION_WAIT_LINE, if it sent one
-        self.holding = 0  # bytes this channel's open files hold for their file cards
-        self.later: Later | None = None  # a later channel of its connection (`serve`)
-        self.home: str | None = None
-        self.ending = False
-        self._lease: _Lease | None = None
-        self._lease_lock = asyncio.Lock()
-
-    # -- the target's channel ------------------------------------------------------------
-
-    async def client(self, host: Host, account: Account) -> asyncssh.SFTPClient:
-        """The sftp channel on a connection of the vault's current epoch: one opened
-        before the vault changed state is given back, never reused."""
-        epoch = self.service.vault.epoch
-        async with self._lease_lock:
-            lease = self._lease
-            if lease is not None and lease.epoch != epoch:
-                self._lease = None
-                await lease.give_back()
-                lease = None
-            if lease is None:
-                client, give_back = await self.open_sftp(host, account, epoch)
-                lease = self._lease = _Lease(client, give_back, epoch)
-            return lease.client
-
-    # -- uploads held for their file cards ------------------------------------------
-
-    def hold(self, size: int) -> bool:
-        """Count `size` more bytes held for a file card against the tenant's share
-        (`Service.held`); False when the share is then over its cap (the gate refuses)."""
-        tenant = Tenant.of_subject(self.conn.peer.subject)
-        self.service.held[tenant] += size
-        self.holding += size
-        return self.service.held[tenant] <= MAX_HELD_BYTES_PER_TENANT
-
-    def release(self, size: int) -> None:
-        """Held bytes given back: written, refused, abandoned, or cut."""
-        size = min(size, self.holding)
-        tenant = Tenant.of_subject(self.conn.peer.subject)
-        self.holding -= size
-        self.service.held[tenant] -= size
-        if self.service.held[tenant] <= 0:
-            del self.service.held[tenant]
-
-    async def close(self) -> None:
-        self.release(self.holding)  # files the agent never closed hold nothing any more
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            with contextlib.suppress(Exception):
-                await lease.give_back()
-
-    # -- paths --------------------------------------------------------------------------
-
-    def path(self, raw: bytes) -> str:
-        """The agent's path as the gate reads it: absolute and folded where it can be;
-        one that cannot be carried exactly (not UTF-8, a NUL, relative before the home
-        is known) goes to the gate as sent, which refuses it in its words, journaled."""
-        text = raw.decode("utf-8", "surrogateescape")
-        if not text or "\0" in text:
-            return text
-        return absolute(text, self.home) or text
-
-    async def walk(self, client: asyncssh.SFTPClient, op: FileOp) -> tuple[Resolution, ...]:
-        """Where the target's answers say each of the operation's paths leads
-        (`core/files.walk` decides; this only asks): a batch of lstats at once, a
-        readlink per symlink."""
-        if op.kind is FileKind.REALPATH:
-            return ()
-        found = []
-        for path in op.paths:
-            steps = walk(path, follows_last(op))
-            try:
-                ask = next(steps)
-                while True:
-                    if isinstance(ask, Lstat):
-                        nodes = await asyncio.gather(*(_node(client, p) for p in ask.paths))
-                        ask = steps.send(tuple(nodes))
-                    else:
-                        ask = steps.send(await _link_text(client, ask.path))
-            except StopIteration as end:
-                found.append(end.value)
-        return tuple(found)
-
-    def turn(self, host: Host, account: Account) -> asyncio.Lock:
-        """The target account's turn: its file operations are carried one at a time
-        from their walk to the target's answer, so that none of them (a rename of a
-        symlink into place, on another channel too) lands between another's walk and
-        its use (`Service.file_turns`)."""
-        key = (host.address, host.port, account.user)
-        turns = self.service.file_turns
-        lock = turns.get(key)
-        if lock is None:
-            lock = turns[key] = asyncio.Lock()
-        return lock
-
-    # -- one request --------------------------------------------------------------------
-
-    async def request(
-        self,
-        op: FileOp,
-        carry: Carry,
-        moved: Callable[[], tuple[int, str] | None] = lambda: None,
-        opened_at: str | None = None,
-    ) -> Any:
-        """One operation through the request path; its value, or an SFTP error (with
-        the agent-facing JSON line on stderr when the gateway ended it). `opened_at`: the
-        operation acts on an open file's handle, which holds the file its open found
-        there; there is no path to walk."""
-        op = replace(op, home=self.home)
-        req = Request(
-            new_request_id(),
-            self.conn.host,
-            self.conn.user,
-            b"",
-            self.conn.peer.subject.key,
-            None,
-            Channel.SFTP,
-            self.ssh_user or None,
-            file=op,
-            later=self.later is not None,
-        )
-        log.info("%s: sftp %s for %s@%s", req.request_id, op.summary(), req.user, req.host)
-        box = _Box()
-
-        async def perform(decided: Dispatch, intent: Intent) -> Result:
-            client = await self.client(decided.host, decided.account)
-            at = At(self.turn(decided.host, decided.account))
-            await at.take()
-            try:
-                try:
-                    if opened_at is not None:
-                        found: tuple[Resolution, ...] = (Resolution(opened_at),)
-                    else:
-                        found = await self.walk(client, op)
-                except (OSError, asyncssh.Error) as exc:
-                    raise refusal(Fact.WALK_CUT, host=decided.host.alias, why=exc) from None
-                refused = file_resolved(decided.account, op, found)
-                if refused is not None:
-                    raise refused
-                at.place(op, tuple(r.path for r in found if r.path is not None))
-                intent.acts_on = at.moved(op)
-                await intent.prepare()
-                intent()  # the gate's last word, the grant spent, the intent durable
-                try:
-                    box.value = await carry(client, at)
-                except asyncssh.SFTPError as exc:
-                    box.error = exc
-                    return Result(Outcome.COMPLETED, exit_status=exc.code, message=str(exc.reason))
-                except (OSError, asyncssh.Error) as exc:
-                    box.error = _err(asyncssh.FX_CONNECTION_LOST, "the target's connection failed")
-                    return lost(decided.host.alias, f"the connection failed mid-operation: {exc}")
-            finally:
-                at.landed()
-            if self.ending and op.kind in (FileKind.READ, FileKind.WRITE):
-                box.error = _err(asyncssh.FX_CONNECTION_LOST, "the agent left")
-                return replace(
-                    lost(decided.host.alias, "the agent's connection ended with the file open"),
-                    transferred=moved(),
-                )
-            return Result(Outcome.COMPLETED, exit_status=0, transferred=moved())
-
-        result = await self.service.handle(
-            self.conn,
-            req,
-            self.conversation,
-            None,
-            perform=perform,
-            tell=self.stderr.write,
-            wait_line=self.wait_line,
-            opened=self.later.opened if self.later else None,
-            own_at_open=self.later.own if self.later else None,
-        )
-        if isinstance(result, Failure):
-            with contextlib.suppress(OSError, asyncssh.Error):
-                self.stderr.write(result.json_line())
-            raise _err(sftp_status(result.code.exit_status), result.message)
-        if box.error is not None:
-            raise box.error
-        return box.value
-
-
-async def _node(client: asyncssh.SFTPClient, path: str) -> Node:
-    """What the target says `path` is, without following it: an answer for the walk.
-    A failed connection is raised; every other failure is the target's own answer."""
-    try:
-        attrs = await client.lstat(path)
-    except (asyncssh.SFTPNoSuchFile, asyncssh.SFTPNoSuchPath):
-        return Node.MISSING
-    except (asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection):
-        raise
-    except asyncssh.SFTPError:
-        return Node.UNKNOWN
-    if attrs.permissions is None:
-        return Node.UNKNOWN
-    if stat.S_ISDIR(attrs.permissions):
-        return Node.DIRECTORY
-    return Node.LINK if stat.S_ISLNK(attrs.permissions) else Node.OTHER
-
-
-async def _link_text(client: asyncssh.SFTPClient, path: str) -> str | None:
-    """A symlink's text as the target reads it, or None when it will not say."""
-    try:
-        return _text(await client.readlink(path))
-    except (asyncssh.SFTPError, UnicodeError):
-        return None
-
-
-Carry = Callable[[asyncssh.SFTPClient, "At"], Awaitable[Any]]
-
-
-@dataclass(eq=False)
-class At:
-    """Where one operation acts on the target -- the paths the walk found, which have no
-    symlink in them -- and the target account's turn (`Broker.turn`), held from the
-    walk until the target answered the request that names them (`landed`)."""
-
-    _turn: asyncio.Lock
-    path: str = ""
-    to: str = ""
-    _held: bool = False
-
-    async def take(self) -> None:
-        await self._turn.acquire()
-        self._held = True
-
-    def place(self, op: FileOp, found: tuple[str, ...]) -> None:
-        self.path = found[0] if found else op.path
-        self.to = found[1] if len(found) > 1 else ""
-
-    def moved(self, op: FileOp) -> tuple[str, ...]:
-        """The paths acted on where they are not the paths asked (for the intent's
-        record), else nothing."""
-        acting = (self.path,) if op.to is None else (self.path, self.to)
-        return acting if acting != op.paths else ()
-
-    def landed(self) -> None:
-        """The target answered the request that names the paths (an open holds its
-        file from here on): the next operation's walk may begin."""
-        if self._held:
-            self._held = False
-            self._turn.release()
-
-
-def _text(name: str | bytes) -> str:
-    return name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name
 
 
 @dataclass(eq=False)
@@ -684,7 +332,7 @@ class Brokered(asyncssh.SFTPServer):
         await asyncio.wait({f.done, f.opened}, return_when=asyncio.FIRST_COMPLETED)
         if not f.opened.done():
             f.done.result()  # raises the request's SFTP error
-            raise _err(asyncssh.FX_FAILURE, "the file was not opened")
+            raise sftp_error(asyncssh.FX_FAILURE, "the file was not opened")
         return f
 
     def _held(self, path: str) -> bool:
@@ -698,7 +346,7 @@ class Brokered(asyncssh.SFTPServer):
     async def read(self, file_obj: object, offset: int, size: int) -> bytes:
         f = self._file(file_obj)
         if f.remote is None or not f.pflags & FXF_READ:
-            raise _err(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for reading")
+            raise sftp_error(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for reading")
         try:
             if f.read_len:
                 data = await read_through(f.remote, f.read_len, offset, size)
@@ -712,7 +360,7 @@ class Brokered(asyncssh.SFTPServer):
     async def write(self, file_obj: object, offset: int, data: bytes) -> int:
         f = self._file(file_obj)
         if f.kind is not FileKind.WRITE:
-            raise _err(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for writing")
+            raise sftp_error(asyncssh.FX_PERMISSION_DENIED, "this file was not opened for writing")
         if f.refused is not None:
             raise f.refused
         if f.held is not None:
@@ -744,13 +392,13 @@ class Brokered(asyncssh.SFTPServer):
         (its world sees the share counted with this growth); then the bytes are let go."""
         op = FileOp(FileKind.WRITE, f.path, size=size, mode=_mode(f.attrs))
         try:
-            await self.broker.request(op, _never)
+            await self.broker.request(op, never)
         except asyncssh.SFTPError as exc:
             return exc
         finally:
             self.broker.release(len(f.held or b"") + (growth if size <= MAX_FILE_CARD_BYTES else 0))
             f.held = bytearray()
-        return _err(asyncssh.FX_FAILURE, "refused")  # pragma: no cover -- the gate refuses
+        return sftp_error(asyncssh.FX_FAILURE, "refused")  # pragma: no cover -- the gate refuses
 
     async def close(self, file_obj: object) -> None:
         f = self._file(file_obj)
@@ -792,7 +440,7 @@ class Brokered(asyncssh.SFTPServer):
 
     def _file(self, file_obj: object) -> _File:
         if not isinstance(file_obj, _File):
-            raise _err(asyncssh.FX_FAILURE, "not an open file")
+            raise sftp_error(asyncssh.FX_FAILURE, "not an open file")
         return file_obj
 
     async def fstat(self, file_obj: object) -> asyncssh.SFTPAttrs:
@@ -820,7 +468,7 @@ class Brokered(asyncssh.SFTPServer):
                     await self._grow(f, attrs.size)
             return
         if f.remote is None:
-            raise _err(asyncssh.FX_FAILURE, "this file is not open")
+            raise sftp_error(asyncssh.FX_FAILURE, "this file is not open")
         # On the handle: the file its open found, whatever its path leads to now.
         change = _change(attrs)
         remote = f.remote
@@ -946,29 +594,25 @@ class Brokered(asyncssh.SFTPServer):
     async def _link(self, newpath: bytes) -> None:
         """A request the gate always refuses (`NO_LINKS`), so it is journaled and the
         agent reads why: never carried."""
-        await self.broker.request(FileOp(FileKind.LINK, self.broker.path(newpath)), _never)
+        await self.broker.request(FileOp(FileKind.LINK, self.broker.path(newpath)), never)
 
     def open56(self, *args: Any) -> None:
-        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion speaks SFTP version 3")
+        raise sftp_error(asyncssh.FX_OP_UNSUPPORTED, "bastion speaks SFTP version 3")
 
     def lock(self, *args: Any) -> None:
-        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
+        raise sftp_error(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
 
     def unlock(self, *args: Any) -> None:
-        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
+        raise sftp_error(asyncssh.FX_OP_UNSUPPORTED, "bastion does not lock files")
 
     def statvfs(self, path: bytes) -> None:
-        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
+        raise sftp_error(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
 
     def fstatvfs(self, file_obj: object) -> None:
-        raise _err(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
+        raise sftp_error(asyncssh.FX_OP_UNSUPPORTED, "bastion does not report file systems")
 
     def exit(self) -> None:
         return None
-
-
-async def _never(client: asyncssh.SFTPClient, at: At) -> None:
-    raise AssertionError("the gate refuses this operation before it is carried")
 
 
 def _bytes(name: str | bytes) -> bytes:
@@ -978,4 +622,4 @@ def _bytes(name: str | bytes) -> bytes:
 def _as_sftp(exc: Exception) -> asyncssh.SFTPError:
     if isinstance(exc, asyncssh.SFTPError):
         return exc
-    return _err(asyncssh.FX_CONNECTION_LOST, f"the target's connection failed: {exc}")
+    return sftp_error(asyncssh.FX_CONNECTION_LOST, f"the target's connection failed: {exc}")
