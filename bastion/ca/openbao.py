@@ -44,7 +44,7 @@ try:  # the `openbao` extra: a gateway with the vault's own CA does without it
 except ImportError:  # pragma: no cover - exercised only without the extra
     hvac = None  # type: ignore[assignment]
 
-log = logging.getLogger("bastion.openbao")
+log = logging.getLogger(__name__)
 CRITICAL = ("force-command", "source-address")
 CLOCK_SKEW = 60  # seconds OpenBao's clock may run ahead of the gateway's
 USER_CERT = 1  # SSH_CERT_TYPE_USER

@@ -40,7 +40,7 @@ from bastion.gateway.requests import RequestIndex
 from bastion.gateway.tenants import Tenant, Tenants
 from bastion.identity import IdentityError, Resolver, peer_credentials, procs
 
-log = logging.getLogger("bastion.gateway")
+log = logging.getLogger(__name__)
 
 WALKERS = 2  # worker threads for identity walks: /proc reads, mostly under the GIL
 WALK_WAIT = 20.0  # seconds a walk may wait for its turn (the proxy waits 30 s for OK)

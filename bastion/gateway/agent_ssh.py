@@ -79,7 +79,7 @@ from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials, procs
 from bastion.ops.opsock import loads_line
 
-log = logging.getLogger("bastion.agent")
+log = logging.getLogger(__name__)
 
 HEADER_TIMEOUT = 5.0
 OVER_CAP_WAIT = 1.0  # seconds to wait for the header of a connection refused by the cap

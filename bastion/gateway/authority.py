@@ -23,7 +23,7 @@ from bastion.gateway.recorder import Recorder
 from bastion.gateway.service import VaultState
 from bastion.vault import WrongPassphrase
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 UNLOCK_BACKOFF = 0.5  # seconds after the first wrong passphrase; doubles each time
 UNLOCK_MAX = 30.0

@@ -23,7 +23,7 @@ from bastion.core.refusals import Fact, refusal
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
 
-log = logging.getLogger("bastion.certify")
+log = logging.getLogger(__name__)
 NO_ISSUER = "this gateway has no certificate issuer"
 
 

@@ -26,7 +26,7 @@ from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.recorder import Recorder
 from bastion.journal import JournalError
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

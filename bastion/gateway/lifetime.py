@@ -86,7 +86,7 @@ from bastion.policy_files import PolicyStore
 from bastion.sandbox import memory
 from bastion.vault import RESERVED_PREFIX, Vault, VaultError
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from bastion.core.display import escape_text
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 
 class EscapingFormatter(logging.Formatter):

@@ -32,7 +32,7 @@ from bastion.identity import descends_from, peer_credentials
 from bastion.identity.procs import in_other_namespaces
 from bastion.ops.opsock import MAX_LINE, OperatorError, loads_line
 
-log = logging.getLogger("bastion.operator")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 

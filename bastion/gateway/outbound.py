@@ -40,7 +40,7 @@ from bastion.gateway.warm import Opening, Parked, Warm
 from bastion.gateway.window import hold
 from bastion.vault import VaultError, VaultLocked
 
-log = logging.getLogger("bastion.outbound")
+log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 OUTBOUND_CIPHERS = [

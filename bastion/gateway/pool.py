@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncssh
 
-log = logging.getLogger("bastion.outbound")
+log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 10  # OpenSSH's default MaxSessions
 MAX_CONNECTIONS = 8  # per key: 80 commands at once to one (target, account)

@@ -26,7 +26,7 @@ from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
 from bastion.journal.verify import unvouched_boots
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 
 class JournalWriter(Protocol):

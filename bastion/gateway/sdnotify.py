@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Protocol
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 STATUS_EVERY = 5.0  # seconds between looks at the status line when no watchdog asks for more
 ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")

@@ -77,7 +77,7 @@ from bastion.gateway.stdin import Taken, take
 from bastion.gateway.tenants import Tenant
 from bastion.journal import JournalError
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 KILL_GRACE = 2.0  # seconds a killed command has to report its end before it is abandoned
 

@@ -54,7 +54,7 @@ from bastion.gateway.service import AgentConn, Service
 from bastion.gateway.sftp_broker import At, Broker, Later, OpenSftp, never, sftp_error
 from bastion.gateway.trim import TRIMMER
 
-log = logging.getLogger("bastion.sftp")
+log = logging.getLogger(__name__)
 
 
 MAX_RELAYED = 64  # reads and writes of one channel in flight at once

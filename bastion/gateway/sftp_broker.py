@@ -59,7 +59,7 @@ from bastion.gateway.mux import MuxView
 from bastion.gateway.service import AgentConn, Service, new_request_id
 from bastion.gateway.tenants import Tenant
 
-log = logging.getLogger("bastion.sftp")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

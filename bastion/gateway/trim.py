@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger("bastion.trim")
+log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 

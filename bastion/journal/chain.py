@@ -60,7 +60,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from bastion.core.errors import BastionError
 from bastion.core.events import EventType, event_type
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 FORMAT = "bastion-journal-1"
 IDENTITY_LABEL = "bastion-journal"  # the vault key that is the journal identity

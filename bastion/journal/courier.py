@@ -39,7 +39,7 @@ from typing import Any
 from bastion.config import SyslogTarget
 from bastion.core.errors import BastionError
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 HEAD, AUDIT = "bastion-witness", "bastion-audit"  # the markers, and the entry kinds
 SEGMENT_ENTRIES = 4096  # entries per spool segment

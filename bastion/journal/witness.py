@@ -41,7 +41,7 @@ from bastion.config import WitnessConfig
 from bastion.core.events import TERMINAL, EventType, activity, event_type, without_commands
 from bastion.journal.courier import AUDIT, HEAD, Courier, FileWitness, Spool, SyslogWitness, dumps
 
-log = logging.getLogger("bastion")
+log = logging.getLogger(__name__)
 
 INTENT_WAIT = 5.0  # seconds a dispatch waits for every witness to confirm its intent
 OPEN_MAX = 10_000  # open requests remembered for their summaries (the oldest is dropped)
