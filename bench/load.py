@@ -189,8 +189,8 @@ class Setup:
     """What differs between runs, besides their size. `agent_shell` is the SHELL the
     agents' ssh runs the ProxyCommand with: ssh always starts it as `$SHELL -c`, and
     bash given a socket on stdin (ProxyUseFdpass) and no SHLVL reads ~/.bashrc first,
-    as if sshd had started it -- a cost direct ssh never pays (README, "Slow
-    commands")."""
+    as if sshd had started it -- a cost direct ssh never pays (docs/files-and-clients.md,
+    "Slow commands")."""
 
     target_rc: bool = False
     inflight: int | None = None

@@ -31,7 +31,8 @@ os.environ["BASTION_KDF_PROFILE"] = "test"
 # Every ssh a test starts runs its ProxyCommand with $SHELL, and bash given a socket on
 # stdin with SHLVL 0 reads ~/.bashrc first. A machine whose rc starts pyenv then pays
 # ~150 ms a command -- and a pyenv lock left behind by any killed shell stalls each one
-# for 60 s, which is how a CI run on such a machine timed out (README, "Slow commands").
+# for 60 s, which is how a CI run on such a machine timed out (docs/files-and-clients.md,
+# "Slow commands").
 os.environ["SHELL"] = "/bin/sh"
 # `bastion run` gives every run a private /tmp, so what a test hands an agent inside a run
 # (its ssh config, scripts, markers) must not live there: every test's files go under

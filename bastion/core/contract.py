@@ -1,4 +1,4 @@
-"""The agent-facing error contract, in one place (README, "What the agent sees").
+"""The agent-facing error contract, in one place (docs/policies.md, "What the agent sees").
 
 An agent reads exactly two things when the gateway ends its request: the exit
 status and the last stderr line, a JSON object. Both are derived here from a

@@ -1,7 +1,7 @@
 """Every tunable default, defined once.
 
 The CLI shows these as its option defaults, the gateway's `Settings` and the
-outbound dispatcher start from them, and the README quotes them.
+outbound dispatcher start from them, and docs/*.md quote them.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ def _demo(root: Path) -> int:
                 stdout=subprocess.PIPE,
                 text=True,
                 # ssh runs the ProxyCommand with $SHELL; bash would read ~/.bashrc first
-                # (README, "Slow commands"), and the demo's times are the gateway's own.
+                # (docs/files-and-clients.md, "Slow commands"), and the demo's times are
+                # the gateway's own.
                 env={**os.environ, "SHELL": "/bin/sh"},
             )
             cards = opsock.call(home.operator_socket, "pending", wait=20)

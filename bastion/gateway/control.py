@@ -201,7 +201,7 @@ class Control:
             "guarantees": await asyncio.to_thread(
                 status_guarantees, gw.home, gw.isolation(), os.getpid()
             ),
-            # What an agent can do in each mode (README, "The sandbox"): the same table.
+            # What an agent can do in each mode (docs/sandbox.md, "The sandbox"): the same table.
             "threat_model": threat_model(),
         }
 

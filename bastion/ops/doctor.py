@@ -291,7 +291,9 @@ def check_config(ctx: Context) -> list[Check]:
     path = ctx.home.config
     if ctx.config_error is not None:
         detail = f"{ctx.config_error}: the gateway refuses to start with it"
-        return [Check("config", Status.FAIL, detail, f"edit {_q(path)} (README: The journal)")]
+        return [
+            Check("config", Status.FAIL, detail, f"edit {_q(path)} (docs/audit.md: The witness)")
+        ]
     if not path.exists():
         return [Check("config", Status.OK, f"no {path}: the defaults (no witness)")]
     return [Check("config", Status.OK, f"{path} is valid")]

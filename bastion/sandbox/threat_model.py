@@ -1,7 +1,7 @@
 """The threat model in one table: what an agent can do in each mode.
 
-README.md shows it (tests/unit/test_docs.py checks it is the same, word for
-word), `bastion status` prints it and gives it in `--json`. The rows are
+docs/sandbox.md shows it (tests/unit/test_docs.py checks it is the same, word
+for word), `bastion status` prints it and gives it in `--json`. The rows are
 facts the tests check from inside a run (tests/integration/test_sandbox_*.py,
 test_isolate.py); `LIMIT` is what no mode stops.
 """
@@ -113,7 +113,7 @@ THREATS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def threat_table() -> list[str]:
-    """THREATS as the Markdown table README.md carries (tests/unit/test_docs.py checks)."""
+    """THREATS as the Markdown table docs/sandbox.md carries (tests/unit/test_docs.py checks)."""
     lines = ["| " + " | ".join(THREAT_COLUMNS) + " |", "|---|---|---|---|"]
     return lines + [("| " + " | ".join(row) + " |").replace("|  |", "| |") for row in THREATS]
 
@@ -125,7 +125,7 @@ def threat_model() -> dict[str, Any]:
 
 def threat_lines(model: Mapping[str, Any]) -> list[str]:
     """The table for a terminal: one line per row, each mode's answer after its name."""
-    lines = ['what an agent can do (README, "The sandbox"):']
+    lines = ['what an agent can do (docs/sandbox.md, "The sandbox"):']
     for action, boxed, bare, strong in model.get("rows") or []:
         line = f"  {action}: sandboxed {boxed}; unsandboxed {bare}"
         lines.append(line + (f"; strong mode adds: {strong}" if strong else ""))

@@ -51,7 +51,8 @@ PLAYBOOK = """\
 
 def ansible_files(b: Bastion, work: Path) -> dict[str, str]:
     """An inventory and ansible.cfg pointing ansible's ssh at bastion's config: the lines
-    a user writes (the README's ansible recipe). Returns the environment."""
+    a user writes (the ansible recipe of docs/files-and-clients.md, "Agents and their
+    tools"). Returns the environment."""
     (work / "inventory.ini").write_text(
         "[targets]\nweb1 ansible_python_interpreter=/usr/bin/python3\n"
     )

@@ -125,7 +125,7 @@ def test_a_double_forked_child_under_bastion_run_cannot_approve_its_card(
 
 
 def test_lock_leaves_no_key_object_in_the_gateway(bastion: Bastion) -> None:
-    """The claim the README makes: after lock, nothing in the gateway references a
+    """The claim docs/sandbox.md makes: after lock, nothing in the gateway references a
     key (copies Python made and freed may still sit in memory nobody reused; only
     root or CAP_SYS_PTRACE could look, per the test above)."""
     agent = bastion.agent()

@@ -51,7 +51,7 @@ HOSTILE = Path(__file__).parents[1] / "hostile_agent.py"
 WINDOW = 60.0  # seconds of hostility
 COMMAND_BOUND = 10.0  # seconds another agent's command may take meanwhile
 STATUS_BOUND = 1.0  # seconds the operator's `status` may take meanwhile
-# A tenant's shares, as the README states them (core/defaults.py defines them).
+# A tenant's shares, as docs/policies.md states them (core/defaults.py defines them).
 CONNECTIONS_PER_TENANT = 256
 CARDS_PER_TENANT = 32
 

@@ -1,7 +1,7 @@
 """What the operator's terminal shows cannot be repainted by an agent (issue 18).
 
 `bastion daemon &` and `bastion approve` share one terminal, as the README's
-quick start has them: a real pty, its screen rendered by a terminal emulator
+first real setup has them: a real pty, its screen rendered by a terminal emulator
 (pyte). An agent that raised a command card then makes the gateway log strings
 it chose -- its executable's path, the proxy header's user and host -- full of
 cursor movements that would redraw the card's command as `uptime`. The

@@ -1,8 +1,10 @@
 """Docs that stay true: every section a docstring, comment or document cites exists.
 
 A citation names a section by its heading, quoted: `docs/architecture.md,
-"The gate"` (or `(architecture.md "The gate")`), `README, "Slow commands"`,
-and inside a document `see "The rooms"` for its own sections. A section is
+"The gate"` (or `(architecture.md "The gate")`), `README, "Development"`,
+a task page under docs/ as `docs/sandbox.md, "Isolation"` (or, inside docs/, as
+its link: `[sandbox.md](sandbox.md), "Isolation"`), and inside a document
+`see "The rooms"` for its own sections. A section is
 cited by its whole heading or by its words before the first colon or comma
 ("The promises" for "The promises, and where each is kept"). Text is read with
 its line breaks, indentation and comment marks folded away, so a citation
@@ -22,11 +24,23 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 README = ROOT / "README.md"
 CHANGELOG = ROOT / "CHANGELOG.md"
+# The task pages the README links to, one per task (docs/architecture.md is the design).
+PAGES = sorted(page for page in (ROOT / "docs").glob("*.md") if page != ARCHITECTURE)
+README_MAX_LINES = 300
 
 QUOTED = r"""(?:[,:]\s*|\s+)["“](?P<name>[^"”]+)["”]"""
+BARE = r"""[,:]\s*(?P<bare>[^"“)]+)\)"""
+
+
+def cited_as(name: str) -> re.Pattern[str]:
+    """`NAME, "Section"`, `[x](NAME), "Section"` (a link) or `(NAME: Section)`."""
+    return re.compile(rf"(?<![\w/.-]){name}\)?" + QUOTED + rf"|\({name}" + BARE)
+
+
 CITES = {
     ARCHITECTURE: re.compile(r"architecture\.md" + QUOTED),
-    README: re.compile(r"\bREADME" + QUOTED + r"|\(README[,:]\s*(?P<bare>[^\"“)]+)\)"),
+    README: cited_as(r"(?:\.\./)?README(?:\.md)?"),  # README, README.md, ../README.md
+    **{page: cited_as(r"(?:docs/)?" + re.escape(page.name)) for page in PAGES},
 }
 # `docs/architecture.md, The gate`: a citation without quotes cannot be told
 # from the sentence around it, so it is refused rather than guessed at.
@@ -36,9 +50,10 @@ FOLD = re.compile(r"\s*\n\s*(?:#+\s)?\s*")
 
 
 def sources() -> list[Path]:
-    code = sorted((ROOT / "bastion").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    code = [path for top in ("bastion", "tests", "bench") for path in (ROOT / top).rglob("*.py")]
     this = Path(__file__).resolve()  # it writes citations to describe them
-    return [path for path in code if path != this] + [README, ARCHITECTURE, CHANGELOG]
+    docs = [README, ARCHITECTURE, CHANGELOG, *PAGES]
+    return [path for path in sorted(code) if path != this] + docs
 
 
 def folded(path: Path) -> str:
@@ -76,7 +91,7 @@ def shown(path: Path) -> str:
 
 
 def test_every_cited_section_exists() -> None:
-    known = {doc: headings(doc) for doc in (ARCHITECTURE, README, CHANGELOG)}
+    known = {doc: headings(doc) for doc in (ARCHITECTURE, README, CHANGELOG, *PAGES)}
     broken = [
         f"{shown(path)} cites {shown(doc)}, {name!r}"
         for path in sources()
@@ -103,7 +118,11 @@ def test_the_citations_are_found_where_they_are() -> None:
         ROOT / "bastion" / "identity" / "resolver.py"
     )  # "Who is / asking" over two lines
     assert (ARCHITECTURE, "Who is asking") in wrapped
-    assert (README, "The journal") in citations(ROOT / "bastion" / "ops" / "doctor.py")
+    audit, sandbox = ROOT / "docs" / "audit.md", ROOT / "docs" / "sandbox.md"
+    assert (audit, "The witness") in citations(ROOT / "bastion" / "ops" / "doctor.py")
+    approving = citations(ROOT / "docs" / "approving.md")  # a link, then the quoted section
+    assert (sandbox, "The sandbox: one per run") in approving
+    assert (README, "A first real setup") in approving
     assert (ARCHITECTURE, "The rooms") in citations(ARCHITECTURE)
     assert "The promises" in headings(ARCHITECTURE)
 
@@ -116,12 +135,23 @@ def test_the_history_lives_in_the_changelog() -> None:
     assert issues and issues == sorted(issues, reverse=True), "CHANGELOG.md: newest first"
 
 
-def test_the_readme_carries_the_threat_model_status_prints() -> None:
-    """One table, two places: `bastion status` prints `isolation.THREATS`, and the
-    README's "The sandbox" section shows the same rows, word for word."""
+def test_the_docs_carry_the_threat_model_status_prints() -> None:
+    """One table, two places: `bastion status` prints `isolation.THREATS`, and
+    docs/sandbox.md's "The sandbox" section shows the same rows, word for word."""
     from bastion.sandbox.threat_model import threat_table
 
-    lines = README.read_text().splitlines()
+    lines = (ROOT / "docs" / "sandbox.md").read_text().splitlines()
     table = threat_table()
     start = lines.index(table[0])
     assert lines[start : start + len(table)] == table
+
+
+def test_the_readme_is_short_and_links_every_page() -> None:
+    """The README is what a newcomer reads first: what bastion is, the quick start,
+    a first setup and the status; each task has its page under docs/, linked."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md: over {README_MAX_LINES} lines"
+    assert PAGES, "no task pages under docs/"
+    links = set(re.findall(r"\]\((docs/[^)#\s]+\.md)[)#]", text))
+    unlinked = [shown(page) for page in [*PAGES, ARCHITECTURE] if shown(page) not in links]
+    assert not unlinked, "README.md links none of:\n" + "\n".join(unlinked)
