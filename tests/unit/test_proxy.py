@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bastion.agent import proxy, wire
+from bastion.agent import proxy
 from bastion.agent.proxy import read_reply
 from bastion.core.contract import CONTRACT, Code
 from bastion.ops.opsock import loads_line
@@ -163,12 +163,12 @@ def test_a_name_too_long_for_the_header_is_refused(capsys: pytest.CaptureFixture
 def test_a_refusal_line_reads_back_as_written() -> None:
     """The gateway writes `refusal_line`, the proxy and the agent client `read_refusal`:
     one format, with lines of older gateways (no code) still read."""
-    line = wire.refusal_line("GATEWAY_BUSY", "too many connections [x] ] y")
+    line = proxy.refusal_line("GATEWAY_BUSY", "too many connections [x] ] y")
     assert line == b"ERR [GATEWAY_BUSY] too many connections [x] ] y\n"
-    assert wire.read_refusal(line) == ("GATEWAY_BUSY", "too many connections [x] ] y")
-    assert wire.read_refusal(b"ERR too many\n") == (None, "too many")
-    assert wire.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
-    assert wire.read_refusal(b"") == (None, "")
+    assert proxy.read_refusal(line) == ("GATEWAY_BUSY", "too many connections [x] ] y")
+    assert proxy.read_refusal(b"ERR too many\n") == (None, "too many")
+    assert proxy.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
+    assert proxy.read_refusal(b"") == (None, "")
 
 
 # -- what the ssh that started the proxy asked for ------------------------------------------
@@ -247,13 +247,13 @@ def test_the_proxy_checks_only_an_openssh_parent() -> None:
 
 @given(st.text(), st.text(), st.text())
 def test_the_header_reads_back_as_the_names_given(host: str, port: str, user: str) -> None:
-    line = wire.header(host, port, user)
-    assert line.startswith(wire.PROTOCOL) and line.endswith(b"\n") and line.count(b"\n") == 1
+    line = proxy.header(host, port, user)
+    assert line.startswith(proxy.PROTOCOL) and line.endswith(b"\n") and line.count(b"\n") == 1
     assert line.isascii()
-    fields = loads_line(line[len(wire.PROTOCOL) :])
+    fields = loads_line(line[len(proxy.PROTOCOL) :])
     assert (
         fields
-        == json.loads(line[len(wire.PROTOCOL) :])
+        == json.loads(line[len(proxy.PROTOCOL) :])
         == {"host": host, "port": port, "user": user}
     )
 
@@ -293,7 +293,7 @@ def test_the_way_to_ssh_imports_nothing_heavy(tmp_path: Path) -> None:
     t.join(10)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert fds, "the proxy passed ssh no socket"
-    assert got and got[0] == wire.header(*ARGS)
+    assert got and got[0] == proxy.header(*ARGS)
     imported = {
         line.rsplit("|", 1)[-1].strip()
         for line in done.stderr.decode().splitlines()
