@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bastion.agent.proxy import ENDINGS, MAX_HEADER, PROTOCOL, connect, read_refusal, reason
+from bastion.agent.proxy import connect, reason
+from bastion.agent.wire import ENDINGS, MAX_HEADER, PROTOCOL, read_refusal
 from bastion.core.contract import NOT_SENT, Code, Exit
 from bastion.core.errors import BastionError
 from bastion.core.refusals import AGENT_SIDE, Observed

@@ -29,16 +29,42 @@ import stat
 import struct
 import sys
 
-PROTOCOL = b"BASTION/1 "
-MAX_HEADER = 4096
-REPLY_TIMEOUT = 30.0
-# The agent-facing codes this helper ends with: (code, exit status, retryable), as
-# bastion.core.contract's table has them (tests/unit/test_contract.py holds them to it).
-INTERNAL = ("INTERNAL", 70, False)
-GATEWAY_BUSY = ("GATEWAY_BUSY", 69, True)
-UNSUPPORTED_REQUEST = ("UNSUPPORTED_REQUEST", 77, False)
-# What a gateway's `ERR [CODE] reason` line may carry; any other is read as INTERNAL.
-ENDINGS = {ending[0]: ending for ending in (INTERNAL, GATEWAY_BUSY)}
+# The wire both sides speak (`wire.py`, beside this file). Started by path with -I -S,
+# this file's folder is not on sys.path: it is appended (after the standard library,
+# so nothing there can shadow a module this helper loads later).
+if __package__:
+    from bastion.agent.wire import (
+        ENDINGS,
+        GATEWAY_BUSY,
+        INTERNAL,
+        MAX_HEADER,
+        REPLY_TIMEOUT,
+        UNSUPPORTED_REQUEST,
+        header,
+        read_refusal,
+    )
+else:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from wire import (  # type: ignore[no-redef]
+            ENDINGS,
+            GATEWAY_BUSY,
+            INTERNAL,
+            MAX_HEADER,
+            REPLY_TIMEOUT,
+            UNSUPPORTED_REQUEST,
+            header,
+            read_refusal,
+        )
+    except ImportError:  # a copy of this file alone: say so in the agent-facing shape
+        where = os.path.dirname(os.path.abspath(__file__))
+        sys.stderr.write(
+            '{"ok": false, "error": {"code": "INTERNAL", "message": "bastion\'s proxy.py needs'
+            f" wire.py beside it, in {where!r}; run `bastion ssh-config` (or `bastion"
+            ' isolate setup`) again to install both. Nothing was sent to the target.",'
+            ' "request_id": null, "retryable": false}}\n'
+        )
+        sys.exit(70)
 
 
 # OpenSSH 9.x's getopt string (ssh.c): a letter followed by ':' takes an argument.
@@ -133,20 +159,6 @@ def parent_ssh_argv() -> list[str] | None:
     return [w.decode("utf-8", "surrogateescape") for w in raw.split(b"\0")[:-1]]
 
 
-def refusal_line(code: str, reason: str) -> bytes:
-    """The gateway's one-line refusal before SSH: the code core chose, then why."""
-    return f"ERR [{code}] {reason}\n".encode()
-
-
-def read_refusal(reply: bytes) -> tuple[str | None, str]:
-    """(code, reason) from an `ERR` line; the code is None where the line has none."""
-    text = reply.decode("utf-8", "replace").strip().removeprefix("ERR").strip()
-    code, sep, rest = text.partition("] ")
-    if text.startswith("[") and sep and code[1:].isupper():
-        return code[1:], rest
-    return None, text
-
-
 def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
     """Tell the agent, in the agent-facing error shape, why no SSH session could even start."""
     code, status, retryable = ending
@@ -165,33 +177,6 @@ def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
 def reason(exc: OSError) -> str:
     """What went wrong, in words (a timeout's strerror is None)."""
     return exc.strerror or str(exc) or type(exc).__name__
-
-
-def json_string(text: str) -> str:
-    """`text` as a JSON string that `json.loads` reads back as `text`: ASCII only,
-    every character outside printable ASCII escaped (lone surrogates from a
-    non-UTF-8 argv too), without importing `json`."""
-    out = ['"']
-    for ch in text:
-        code = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif 0x20 <= code < 0x7F:
-            out.append(ch)
-        elif code > 0xFFFF:
-            code -= 0x10000
-            out.append(f"\\u{0xD800 | code >> 10:04x}\\u{0xDC00 | code & 0x3FF:04x}")
-        else:
-            out.append(f"\\u{code:04x}")
-    out.append('"')
-    return "".join(out)
-
-
-def header(host: str, port: str, user: str) -> bytes:
-    """The line that names the target to the gateway (`agent_ssh` reads it)."""
-    fields = ", ".join(f"{json_string(k)}: {json_string(v)}" for k, v in
-                       (("host", host), ("port", port), ("user", user)))  # fmt: skip
-    return PROTOCOL + b"{" + fields.encode("ascii") + b"}\n"
 
 
 def connect(sock: _socket.socket, path: str, timeout: float) -> None:

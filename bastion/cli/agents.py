@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 from bastion.agent import proxy as proxy_mod
+from bastion.agent import wire
 from bastion.cli.common import HOST_KEY_ALIAS, fail, home_of
 from bastion.core.waiting import WAIT_LINE_ENV
 from bastion.home import Home
@@ -180,7 +181,8 @@ def pinned_host_key(home: Home) -> list[str]:
     "proxy_path",
     type=click.Path(path_type=Path),
     default=None,
-    help="Path of bastion's proxy.py as the agent sees it (default: this install's).",
+    help="Path of bastion's proxy.py as the agent sees it, with wire.py beside it "
+    "(default: this install's).",
 )
 @click.option(
     "--policy-hosts",
@@ -313,7 +315,8 @@ def refresh_agent_files(home: Home, iso: Isolation) -> str | None:
         users = {}
         warning = f"the policy could not be read ({exc}); the ssh config lists no hosts"
     owner = (iso.operator_uid, iso.gid)
-    isolation.write_file(iso.proxy, Path(proxy_mod.__file__).read_bytes(), 0o644, *owner)
+    for copy, module in ((iso.wire, wire), (iso.proxy, proxy_mod)):  # the wire first
+        isolation.write_file(copy, Path(module.__file__).read_bytes(), 0o644, *owner)
     if warning is None or not iso.ssh_config.exists():
         argv = (iso.python, "-I", "-S", str(iso.proxy), "--socket", str(iso.agent_socket))
         text = ssh_config_text(users, pinned_host_key(home), argv, "bastion isolate setup")

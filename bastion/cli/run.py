@@ -27,6 +27,7 @@ import click
 
 from bastion import sandbox as sandbox_mod
 from bastion.agent import proxy as proxy_mod
+from bastion.agent import wire
 from bastion.cli.agents import refresh_agent_files
 from bastion.cli.common import fail, home_of
 from bastion.home import Home
@@ -71,7 +72,7 @@ def _register(path: Path, label: str, given: list[str] | None) -> str:
         sock.connect(str(path))
         box = None if given is None else {"given": given}
         header = json.dumps({"register": "run", "label": label, "sandbox": box}).encode()
-        sock.sendall(proxy_mod.PROTOCOL + header + b"\n")
+        sock.sendall(wire.PROTOCOL + header + b"\n")
         reply = proxy_mod.read_reply(sock).decode("utf-8", "replace").strip()
     except OSError as exc:
         fail(f"cannot reach the gateway at {path} ({exc.strerror}); is `bastion daemon` running?")

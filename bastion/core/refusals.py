@@ -272,5 +272,5 @@ class Turned(enum.Enum):
 
 
 # The code each carries on the `ERR` line, which the proxy and the agent client read
-# (`proxy.refusal_line`). A full gateway is worth retrying; a refusal is not.
+# (`agent/wire.refusal_line`). A full gateway is worth retrying; a refusal is not.
 TURNED: dict[Turned, Code] = {Turned.FULL: Code.GATEWAY_BUSY, Turned.REFUSED: Code.INTERNAL}

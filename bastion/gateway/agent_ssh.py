@@ -59,7 +59,7 @@ from typing import Any
 
 import asyncssh
 
-from bastion.agent.proxy import MAX_HEADER, PROTOCOL, refusal_line
+from bastion.agent.wire import MAX_HEADER, PROTOCOL, refusal_line
 from bastion.core.contract import Failure
 from bastion.core.errors import BastionError
 from bastion.core.events import Outcome, bound_action

@@ -58,7 +58,7 @@ def default_socket_dir(operator_uid: int) -> Path:
 class Isolation:
     """What `isolate setup` made: the agent user and group, and the directory
     (operator-owned, group = the agent group, 2750) holding the agent socket,
-    a copy of the proxy and the agents' ssh config."""
+    a copy of the proxy (with its wire) and the agents' ssh config."""
 
     user: str
     uid: int
@@ -80,6 +80,11 @@ class Isolation:
     def proxy(self) -> Path:
         return self.socket_dir / "proxy.py"
 
+    @property
+    def wire(self) -> Path:
+        """The proxy's wire (`agent/wire.py`), which the copy of the proxy imports."""
+        return self.socket_dir / "wire.py"
+
     def as_json(self) -> dict[str, Any]:
         return {
             "user": self.user,
@@ -91,6 +96,7 @@ class Isolation:
             "agent_socket": str(self.agent_socket),
             "ssh_config": str(self.ssh_config),
             "proxy": str(self.proxy),
+            "wire": str(self.wire),
             "python": self.python,
         }
 
@@ -294,11 +300,11 @@ def plan(home: Home, iso: Isolation, gateway_pid: int | None) -> list[tuple[str,
     if gateway_pid is not None:
         out.append(("gateway_memory", "read", f"/proc/{gateway_pid}/mem", "denied"))
     out += [("socket_dir", "search", p, "ok") for p in _ancestors(iso.socket_dir)]
-    out += [("socket_dir", "read", str(p), "ok") for p in (iso.ssh_config, iso.proxy)]
+    out += [("socket_dir", "read", str(p), "ok") for p in (iso.ssh_config, iso.proxy, iso.wire)]
     out.append(("socket_dir", "exec", iso.python, "ok"))
     if iso.agent_socket.exists():
         out.append(("agent_socket", "write", str(iso.agent_socket), "ok"))
-    for p in (iso.socket_dir, iso.ssh_config, iso.proxy):
+    for p in (iso.socket_dir, iso.ssh_config, iso.proxy, iso.wire):
         out.append(("sealed", "write", str(p), "denied"))
     return out
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.agent.proxy import REPLY_TIMEOUT
+from bastion.agent.wire import REPLY_TIMEOUT
 from bastion.home import Home
 from tests.harness import PASSPHRASE, Bastion, bastion_cli
 

@@ -149,12 +149,13 @@ def test_setup_creates_the_user_and_the_door_and_checks_them(isolated: Isolated)
         "agent_socket": str(door / "agent.sock"),
         "ssh_config": str(door / "ssh_config"),
         "proxy": str(door / "proxy.py"),
+        "wire": str(door / "wire.py"),
         "python": SYSTEM_PYTHON,
     }
     st = os.stat(door)
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (os.getuid(), pw.pw_gid, 0o2750)
     modes = {p.name: (p.stat().st_gid, p.stat().st_mode & 0o777) for p in door.iterdir()}
-    assert modes["proxy.py"] == (pw.pw_gid, 0o644)
+    assert modes["proxy.py"] == modes["wire.py"] == (pw.pw_gid, 0o644)
     assert modes["ssh_config"] == (pw.pw_gid, 0o640)
     assert modes["agent.sock"] == (pw.pw_gid, 0o660)  # the gateway read isolation.json
     config = (door / "ssh_config").read_text()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.agent import proxy
+from bastion.agent import proxy, wire
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.harness import Bastion, make_bastion
 
@@ -83,8 +83,10 @@ def test_an_agent_running_as_another_user(
     shared.chmod(0o755)
     try:
         script = shared / "proxy.py"
-        shutil.copy(proxy.__file__, script)
-        script.chmod(0o644)
+        for module in (proxy, wire):  # the proxy imports the wire beside it
+            copy = shared / Path(module.__file__).name
+            shutil.copy(module.__file__, copy)
+            copy.chmod(0o644)
         sock = shared / "agent.sock"
         b = make_bastion(tmp_path, sshd, client_key[0], start=False)
         group = grp.getgrgid(agent_user.pw_gid).gr_name

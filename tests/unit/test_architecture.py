@@ -135,10 +135,22 @@ def test_the_core_imports_only_the_standard_library_pure_parts_and_cryptography(
 
 
 def test_the_proxy_is_standard_library_only() -> None:
-    """It runs once per agent ssh call, by path, with -I -S: it must start fast and alone."""
-    for target, line in imports(MODULES["bastion.agent.proxy"]):
-        top = target.split(".")[0]
-        assert top in sys.stdlib_module_names or top == "__future__", f"proxy.py:{line}: {target}"
+    """It runs once per agent ssh call, by path, with -I -S: it must start fast and alone.
+    It may import the wire beside it, which is standard library only itself."""
+    wire = {"bastion.agent.wire", "wire"}  # as a package's module, and by path
+    for name in ("bastion.agent.proxy", "bastion.agent.wire"):
+        for target, line in imports(MODULES[name]):
+            top = target.split(".")[0]
+            fine = top in sys.stdlib_module_names or top == "__future__" or target in wire
+            assert fine, f"{MODULES[name].name}:{line}: {target}"
+
+
+def test_the_gateway_takes_the_wire_from_the_wire_not_from_the_proxy() -> None:
+    """The proxy is the agent's program; what both sides say lives in `agent/wire`."""
+    for name, path in MODULES.items():
+        if name.startswith(("bastion.gateway", "bastion.core")):
+            for target, line in imports(path):
+                assert target != "bastion.agent.proxy", f"{path}:{line} imports {target}"
 
 
 # What the agent's side may use of bastion: the contract's words, the root exception,
@@ -161,6 +173,8 @@ def test_the_agent_side_imports_nothing_that_holds_or_decides(name: str) -> None
             continue
         if top in {"mcp", "mcp_types", "pydantic"} and name == "bastion.agent.mcp_front":
             continue
+        if target == "wire" and name == "bastion.agent.proxy":
+            continue  # agent/wire, imported by path (proxy.py is started by path)
         assert target.startswith(AGENT_SIDE_MAY_IMPORT), f"{MODULES[name]}:{line}: {target}"
 
 

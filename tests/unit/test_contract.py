@@ -6,7 +6,7 @@ import ast
 import json
 from pathlib import Path
 
-from bastion.agent import proxy
+from bastion.agent import wire
 from bastion.agent.client import GATEWAY_EXITS
 from bastion.core.contract import CONTRACT, Code, Exit, Failure
 from bastion.core.refusals import AGENT_SIDE, TURNED, agent_error
@@ -61,7 +61,8 @@ CODE_VALUES = {c.value for c in Code}
 MAY_NAME_CODES: dict[str, str] = {
     # Standard library only and run by path with -I -S: it cannot import the table,
     # so its two endings are written out and held to it below.
-    "bastion/agent/proxy.py": "the proxy cannot import bastion",
+    "bastion/agent/wire.py": "the proxy's wire cannot import bastion",
+    "bastion/agent/proxy.py": "its one ending when wire.py is not beside it",
 }
 
 
@@ -117,11 +118,11 @@ def test_the_grep_sees_every_spelling(tmp_path: Path) -> None:
 def test_the_agent_sides_numbers_are_the_contracts() -> None:
     """proxy.py may import nothing of bastion's; agent.client and agent.mcp_front import the
     table. Either way the codes, statuses and flags an agent reads are these."""
-    for code, status, retryable in (proxy.INTERNAL, proxy.GATEWAY_BUSY, proxy.UNSUPPORTED_REQUEST):
+    for code, status, retryable in (wire.INTERNAL, wire.GATEWAY_BUSY, wire.UNSUPPORTED_REQUEST):
         assert CONTRACT[Code(code)] == (status, retryable), code
     # Every code the agent socket may put on an `ERR` line, the proxy can end with.
     for code in TURNED.values():
-        assert proxy.ENDINGS[code.value] == (code.value, *CONTRACT[code]), code
+        assert wire.ENDINGS[code.value] == (code.value, *CONTRACT[code]), code
     assert GATEWAY_EXITS == {int(e) for e in Exit} == {int(s) for s, _ in CONTRACT.values()}
     for observed, code in AGENT_SIDE.items():
         assert agent_error(observed, "m")["retryable"] is code.retryable, observed

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bastion.agent import proxy
+from bastion.agent import proxy, wire
 from bastion.agent.proxy import read_reply
 from bastion.core.contract import CONTRACT, Code
 from bastion.ops.opsock import loads_line
@@ -163,12 +163,12 @@ def test_a_name_too_long_for_the_header_is_refused(capsys: pytest.CaptureFixture
 def test_a_refusal_line_reads_back_as_written() -> None:
     """The gateway writes `refusal_line`, the proxy and the agent client `read_refusal`:
     one format, with lines of older gateways (no code) still read."""
-    line = proxy.refusal_line("GATEWAY_BUSY", "too many connections [x] ] y")
+    line = wire.refusal_line("GATEWAY_BUSY", "too many connections [x] ] y")
     assert line == b"ERR [GATEWAY_BUSY] too many connections [x] ] y\n"
-    assert proxy.read_refusal(line) == ("GATEWAY_BUSY", "too many connections [x] ] y")
-    assert proxy.read_refusal(b"ERR too many\n") == (None, "too many")
-    assert proxy.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
-    assert proxy.read_refusal(b"") == (None, "")
+    assert wire.read_refusal(line) == ("GATEWAY_BUSY", "too many connections [x] ] y")
+    assert wire.read_refusal(b"ERR too many\n") == (None, "too many")
+    assert wire.read_refusal(b"ERR [not a code] x\n") == (None, "[not a code] x")
+    assert wire.read_refusal(b"") == (None, "")
 
 
 # -- what the ssh that started the proxy asked for ------------------------------------------
@@ -247,13 +247,13 @@ def test_the_proxy_checks_only_an_openssh_parent() -> None:
 
 @given(st.text(), st.text(), st.text())
 def test_the_header_reads_back_as_the_names_given(host: str, port: str, user: str) -> None:
-    line = proxy.header(host, port, user)
-    assert line.startswith(proxy.PROTOCOL) and line.endswith(b"\n") and line.count(b"\n") == 1
+    line = wire.header(host, port, user)
+    assert line.startswith(wire.PROTOCOL) and line.endswith(b"\n") and line.count(b"\n") == 1
     assert line.isascii()
-    fields = loads_line(line[len(proxy.PROTOCOL) :])
+    fields = loads_line(line[len(wire.PROTOCOL) :])
     assert (
         fields
-        == json.loads(line[len(proxy.PROTOCOL) :])
+        == json.loads(line[len(wire.PROTOCOL) :])
         == {"host": host, "port": port, "user": user}
     )
 
@@ -293,7 +293,7 @@ def test_the_way_to_ssh_imports_nothing_heavy(tmp_path: Path) -> None:
     t.join(10)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert fds, "the proxy passed ssh no socket"
-    assert got and got[0] == proxy.header(*ARGS)
+    assert got and got[0] == wire.header(*ARGS)
     imported = {
         line.rsplit("|", 1)[-1].strip()
         for line in done.stderr.decode().splitlines()
@@ -301,3 +301,29 @@ def test_the_way_to_ssh_imports_nothing_heavy(tmp_path: Path) -> None:
     }
     assert "_socket" in imported  # the listing is what it claims to be
     assert not imported & HEAVY, sorted(imported & HEAVY)
+    assert "wire" in imported  # the wire beside it, by path
+
+
+def test_a_copy_of_the_proxy_alone_says_what_it_needs(tmp_path: Path) -> None:
+    """Isolation installs the proxy with its wire beside it; a proxy copied alone ends in
+    the agent-facing shape with the fix (the same copy with its wire is the control)."""
+    lonely, paired = tmp_path / "lonely", tmp_path / "paired"
+    for folder in (lonely, paired):
+        folder.mkdir()
+        (folder / "proxy.py").write_bytes(Path(proxy.__file__).read_bytes())
+    (paired / "wire.py").write_bytes(Path(wire.__file__).read_bytes())
+    missing = str(tmp_path / "no.sock")
+    runs = {}
+    for folder in (lonely, paired):
+        argv = [sys.executable, "-I", "-S", str(folder / "proxy.py"), "--socket", missing, *ARGS]
+        runs[folder] = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    alone = runs[lonely]
+    assert alone.returncode == CONTRACT[Code.INTERNAL][0], alone.stderr
+    error = json.loads(alone.stderr)["error"]
+    assert error["code"] == "INTERNAL" and error["retryable"] is False
+    assert "wire.py beside it" in error["message"] and str(lonely) in error["message"]
+    assert "Nothing was sent" in error["message"]
+    # With its wire, the copy gets as far as the socket (which is not there).
+    assert "wire.py" not in runs[paired].stderr
+    assert json.loads(runs[paired].stderr)["error"]["code"] == "INTERNAL"
+    assert str(missing) in runs[paired].stderr or "gateway" in runs[paired].stderr
