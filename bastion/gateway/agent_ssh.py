@@ -72,9 +72,8 @@ from bastion.gateway.agent_channel import AgentChannel, SubsystemProcess, forwar
 from bastion.gateway.mux import MuxView
 from bastion.gateway.opserver import ListenerHealth
 from bastion.gateway.outbound import Streams
-from bastion.gateway.service import AgentConn, Service, new_request_id
+from bastion.gateway.service import AgentConn, Case, Opened, Service, new_request_id
 from bastion.gateway.sftp import serve as serve_sftp
-from bastion.gateway.sftp_broker import Later
 from bastion.gateway.tenants import Caps, Tenant, Tenants
 from bastion.identity import IdentityError, peer_credentials, procs
 from bastion.ops.opsock import loads_line
@@ -403,9 +402,10 @@ class _AgentSSH(asyncssh.SSHServer):
         assert self._ssh is not None
         self.sessions += 1
         extra = self.sessions > 1
-        opened = self._mux_view(extra)
-        own = self.service.own_connection(self.conn.peer) if extra else None
-        if extra and own is not True and (opened is None or opened.in_run is not True):
+        mux = self._mux_view(extra)
+        own = self.service.edges.own_connection(self.conn.peer) if extra else None
+        opened = Opened(mux, own)
+        if extra and own is not True and (mux is None or mux.in_run is not True):
             self.refused_sessions += 1
             if self.refused_sessions > MAX_EXTRA_SESSIONS:
                 raise asyncssh.ChannelOpenError(
@@ -415,7 +415,7 @@ class _AgentSSH(asyncssh.SSHServer):
         # gate can refuse it with an agent-facing error, not a dropped connection.
         chan = self._ssh.create_server_channel(encoding=None, max_pktsize=MAX_REQUEST_PACKET)
         chan.__class__ = AgentChannel
-        process = SubsystemProcess(lambda p: self._exec(p, extra, opened, own), None, 3, False)
+        process = SubsystemProcess(lambda p: self._exec(p, extra, opened), None, 3, False)
         return chan, process
 
     def connection_requested(self, host: str, port: int, *_: object) -> Any:
@@ -435,20 +435,19 @@ class _AgentSSH(asyncssh.SSHServer):
         peer = self.conn.peer
         if peer.subject.kind is not SubjectKind.RUN:
             return None
-        if not extra and not self.service.rides_a_master(peer):
+        if not extra and not self.service.edges.rides_a_master(peer):
             return None
-        return self.service.mux_clients(peer, self.conn.socket_inode)
+        return self.service.edges.mux_clients(peer, self.conn.socket_inode)
 
     async def _exec(
         self,
         process: asyncssh.SSHServerProcess[bytes],
         extra: bool,
-        opened: MuxView | None,
-        own: bool | None = None,
+        opened: Opened,
     ) -> None:
         request_id = new_request_id()
         try:
-            await self._serve(process, request_id, extra, opened, own)
+            await self._serve(process, request_id, extra, opened)
         except Exception:
             log.exception("%s: internal error", request_id)
             _finish_failure(process, gateway_failed(request_id))
@@ -458,8 +457,7 @@ class _AgentSSH(asyncssh.SSHServer):
         process: asyncssh.SSHServerProcess[bytes],
         request_id: str,
         extra: bool,
-        opened: MuxView | None,
-        own: bool | None = None,
+        opened: Opened,
     ) -> None:
         conn = self.conn
         command: bytes | None = getattr(process.channel, "exact_command", None)
@@ -484,7 +482,7 @@ class _AgentSSH(asyncssh.SSHServer):
                 conversation,
                 self.ssh_user,
                 outbound.open_sftp,
-                Later(opened, own) if extra else None,
+                opened if extra else None,
             )
             return
         subject = conn.peer.subject
@@ -516,17 +514,17 @@ class _AgentSSH(asyncssh.SSHServer):
         streams = Streams(process.stdin, process.stdout, process.stderr)
         if isinstance(process.channel, AgentChannel):  # a window-change, once it runs
             process.channel.resize = lambda size: self.service.resize(request_id, size)
-        result = await self.service.handle(
+        case = Case(
             conn,
             req,
             conversation,
             streams,
-            ack_unknown=action is not None and env.get("BASTION_ACK_UNKNOWN") == "1",
-            opened=opened,
+            opened,
             tell=process.stderr.write,
             wait_line=env.get(WAIT_LINE_ENV),
-            own_at_open=own,
+            ack_unknown=action is not None and env.get("BASTION_ACK_UNKNOWN") == "1",
         )
+        result = await self.service.handle(case)
         if isinstance(result, Failure):
             _finish_failure(process, result)
         elif result.outcome is Outcome.COMPLETED:

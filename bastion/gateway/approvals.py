@@ -380,13 +380,13 @@ class ApprovalBook:
         return next((g for g in self._grants.values() if g.card_id == card_id), None)
 
     def grants_for(self, session_id: str) -> tuple[Grant, ...]:
-        """The live bounded grants of one session, oldest first (ended ones go now)."""
-        self._prune_grants()
+        """The bounded grants of one session, oldest first. Only reads: one used up or
+        expired is listed until `end_spent_grants` ends it (the gate holds to `live`)."""
         return tuple(g for g in self._grants.values() if g.session_id == session_id)
 
     def grants(self) -> list[Grant]:
         """Every live bounded grant (`bastion sessions`)."""
-        self._prune_grants()
+        self.end_spent_grants()
         return list(self._grants.values())
 
     def use_grant(self, grant_id: str, request_id: str, binding: Binding) -> str | None:
@@ -410,10 +410,12 @@ class ApprovalBook:
             expires_at=now + self.command_ttl,
             grant_id=grant_id,
         )
-        self._prune_grants()
+        self.end_spent_grants()
         return key
 
-    def _prune_grants(self) -> None:
+    def end_spent_grants(self) -> None:
+        """End, and journal, every bounded grant core says is spent (`Grant.end_reason`:
+        used up or expired)."""
         now = self.clock()
         for grant in list(self._grants.values()):
             why = grant.end_reason(now)

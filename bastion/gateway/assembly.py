@@ -18,7 +18,7 @@ from typing import Any
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
 from bastion.gateway.recorder import PolicyWatch, Recorder
-from bastion.gateway.service import Outbound, Service, VaultState
+from bastion.gateway.service import Edges, Outbound, Service, VaultState
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def build_service(
     book: ApprovalBook,
     outbound: Outbound,
     recorder: Recorder,
-    alive: Callable[[int, float], bool],
+    edges: Edges,
     *,
     vouch: Callable[[], None] = lambda: None,
     unlocked: Callable[[], None] = lambda: None,
@@ -45,18 +45,17 @@ def build_service(
     """The service over these parts, and the authority over the same book.
 
     `options` are `Service`'s own keyword parts (its signature says what each is:
-    watch, refresh, rides_a_master, refusing, admission, schedule, clock,
-    approval_timeout, on_sessions_changed, certifier, witnessed, take_stdin); `vouch` and
-    `unlocked` are the authority's: have the journal vouch for what was written
-    (at unlock and before a lock), and what the lifetime does once the vault is
-    unlocked."""
-    service = Service(boot_id, vault, policy, book, outbound, recorder, alive, **options)
+    admission, certifier, witnessed, schedule, approval_timeout,
+    on_sessions_changed); `vouch` and `unlocked` are the authority's: have the
+    journal vouch for what was written (at unlock and before a lock), and what the
+    lifetime does once the vault is unlocked. Both read liveness from `edges`."""
+    service = Service(boot_id, vault, policy, book, outbound, recorder, edges, **options)
     authority = Authority(
         vault=vault,
         book=book,
         recorder=recorder,
         retire_connections=outbound.retire_all,
-        alive=alive,
+        alive=edges.alive,
         in_flight=lambda: list(service.inflight),
         kill=service.kill,
         vouch=vouch,

@@ -251,6 +251,7 @@ class Control:
         )
 
     async def sessions(self, _: dict[str, Any]) -> list[dict[str, Any]]:
+        self.book.end_spent_grants()  # a spent grant is listed ended, not live
         return [
             {
                 "id": g.id,

@@ -60,6 +60,7 @@ from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.senders import own_connection
+from bastion.gateway.service import Edges
 from bastion.gateway.tenants import Tenants
 from bastion.gateway.trim import TRIMMER, settle
 from bastion.home import Home
@@ -155,13 +156,15 @@ class Gateway:
             book=self.book,
             outbound=self.dispatcher,
             recorder=self.recorder,
-            alive=alive,
-            watch=self.watch,
-            refresh=self.resolver.refresh,
-            rides_a_master=rides_a_master,
-            own_connection=own_connection,
-            mux_clients=mux.observe,
-            refusing=self.witness.refusing if self.witness is not None else lambda: None,
+            edges=Edges(
+                alive=alive,
+                watch=self.watch,
+                refresh=self.resolver.refresh,
+                rides_a_master=rides_a_master,
+                mux_clients=mux.observe,
+                own_connection=own_connection,
+                refusing=self.witness.refusing if self.witness is not None else lambda: None,
+            ),
             admission=Admission(self.config.limits.inflight, self.config.limits.queue_wait),
             approval_timeout=settings.approval_timeout,
             on_sessions_changed=self._save_lifetime,

@@ -121,6 +121,30 @@ class Streams:
     stderr: asyncssh.SSHWriter[bytes]
 
 
+@dataclass(frozen=True)
+class Job:
+    """One decided command, as the outbound side carries it out (`Dispatcher.run`).
+
+    `intent` runs once the session channel is open and immediately before the exec
+    request is sent, with no await in between: it re-decides and journals, and refuses
+    by raising. `prepare` (a witness must hold the intent) runs once the connection is
+    up and before the exec channel opens. With `certify` (a certificate account) the
+    login is its certificate; with `terminal` the command runs with that terminal."""
+
+    host: Host
+    account: Account
+    vault_epoch: int
+    command: bytes
+    streams: Streams  # the agent's channel: stdin, stdout, stderr
+    intent: Callable[[], None]
+    # Given the client process once the exec request left (to resize it, to signal it).
+    on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None]
+    abandon: asyncio.Event | None = None  # set: stop waiting for an ending (`kill`)
+    certify: Callable[[], Awaitable[Issued]] | None = None
+    prepare: Callable[[], Awaitable[None]] | None = None
+    terminal: Terminal | None = None
+
+
 PoolKey = tuple[str, int, str, str, str, int]
 
 
@@ -273,57 +297,25 @@ class Dispatcher:
         self.pool.retire_all()
         self.warm.retire_all()
 
-    async def run(
-        self,
-        host: Host,
-        account: Account,
-        vault_epoch: int,
-        command: bytes,
-        agent: Streams,
-        intent: Callable[[], None],
-        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
-        abandon: asyncio.Event | None = None,
-        certify: Callable[[], Awaitable[Issued]] | None = None,
-        prepare: Callable[[], Awaitable[None]] | None = None,
-        terminal: Terminal | None = None,
-    ) -> Result:
-        """Connect, exec, relay, classify. `intent` runs once the session
-        channel is open and immediately before the exec request is sent, with
-        no await in between: it re-decides and journals, and refuses by raising.
-        `prepare` (a witness must hold the intent) runs once the connection is up and
-        before the exec channel opens; it refuses by raising too.
+    async def run(self, job: Job) -> Result:
+        """Connect, exec, relay, classify (`service.Job` says what each part is for).
         With `certify` (a certificate account) the login is its certificate, on a
-        connection of its own that closes after this one command. With `terminal` the
-        command runs with that terminal on the target (the gate allowed it).
+        connection of its own that closes after this one command.
 
         Raises `Refusal` for every ending before the exec request left (the intent's,
         the signer's and the witness's pass through unchanged); returns the `Result`
         once it was sent."""
-        prepared = prepare or _nothing
-        if certify is not None:
-            return await self._run_certified(
-                host,
-                account,
-                vault_epoch,
-                command,
-                agent,
-                intent,
-                on_exec,
-                abandon,
-                certify,
-                prepared,
-                terminal,
-            )
-        key, connect = self._pooled(host, account, vault_epoch)
+        if job.certify is not None:
+            return await self._run_certified(job, job.certify)
+        host = job.host
+        key, connect = self._pooled(host, job.account, job.vault_epoch)
 
         why = "open failed"
         for _ in range(REFUSED_RETRIES):
             slot = await self.pool.acquire(key, connect)
             try:
-                await prepared()
-                return await self._exec(
-                    host, slot.conn, command, agent, intent, on_exec, abandon, terminal
-                )
+                await (job.prepare or _nothing)()
+                return await self._exec(job, slot.conn)
             except _ChannelRefused as exc:
                 why = str(exc)
                 if slot.active <= 1:
@@ -376,52 +368,31 @@ class Dispatcher:
 
         return client, give_back
 
-    async def _run_certified(
-        self,
-        host: Host,
-        account: Account,
-        vault_epoch: int,
-        command: bytes,
-        agent: Streams,
-        intent: Callable[[], None],
-        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
-        abandon: asyncio.Event | None,
-        certify: Callable[[], Awaitable[Issued]],
-        prepare: Callable[[], Awaitable[None]],
-        terminal: Terminal | None,
-    ) -> Result:
+    async def _run_certified(self, job: Job, certify: Callable[[], Awaitable[Issued]]) -> Result:
         """No pool: the certificate pins one command, so its connection carries only
         that one, and the key and certificate are dropped with it. The connection may be
         a warm one, opened (key exchange and pin done) before this command was asked."""
-        conn = await self._login(host, account, vault_epoch, await certify())
+        host, account = job.host, job.account
+        conn = await self._login(host, account, job.vault_epoch, await certify())
         try:
-            await prepare()
-            return await self._exec(host, conn, command, agent, intent, on_exec, abandon, terminal)
+            await (job.prepare or _nothing)()
+            return await self._exec(job, conn)
         except _ChannelRefused as exc:
             raise refusal(Fact.SESSION_REFUSED, host=host.alias, why=str(exc)) from exc
         finally:
             conn.close()
             # The target let this one in: park the next command's connection now (after
             # this command, so its key exchange does not compete with this one's run).
-            self.warm.fill(_warm_key(host, account), vault_epoch)
+            self.warm.fill(_warm_key(host, account), job.vault_epoch)
 
-    async def _exec(
-        self,
-        host: Host,
-        conn: asyncssh.SSHClientConnection,
-        command: bytes,
-        agent: Streams,
-        intent: Callable[[], None],
-        on_exec: Callable[[asyncssh.SSHClientProcess[bytes]], None],
-        abandon: asyncio.Event | None,
-        terminal: Terminal | None = None,
-    ) -> Result:
+    async def _exec(self, job: Job, conn: asyncssh.SSHClientConnection) -> Result:
+        host = job.host
         try:
             _, proc = await conn.create_session(
-                lambda: _IntentProcess(intent, terminal is not None),
-                command,
+                lambda: _IntentProcess(job.intent, job.terminal is not None),
+                job.command,
                 encoding=None,  # type: ignore[arg-type]
-                **_terminal_args(terminal),
+                **_terminal_args(job.terminal),
             )
             await proc.redirect(asyncssh.PIPE, asyncssh.PIPE, asyncssh.PIPE)
         except asyncssh.ChannelOpenError as exc:
@@ -434,11 +405,11 @@ class Dispatcher:
             raise _ChannelRefused(exc.reason) from exc
         except (OSError, asyncssh.Error) as exc:
             return lost(host.alias, f"the connection failed while the command was sent: {exc}")
-        on_exec(proc)
-        relay = asyncio.ensure_future(_relay(host, proc, agent))
-        if abandon is None:
+        job.on_exec(proc)
+        relay = asyncio.ensure_future(_relay(host, proc, job.streams))
+        if job.abandon is None:
             return await relay
-        stop = asyncio.ensure_future(abandon.wait())
+        stop = asyncio.ensure_future(job.abandon.wait())
         try:
             await asyncio.wait({relay, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:

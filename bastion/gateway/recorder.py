@@ -322,9 +322,16 @@ class PolicyWatch:
         self.source = source
         self.recorder = recorder
         self._last: str | None = None
+        self._read: Policy | PolicyError | None = None
+
+    def seen(self) -> Policy | PolicyError:
+        """What `current` last read, reading nothing and journaling nothing: the policy
+        in the gate's world (`Service.look` reads it with `current` first)."""
+        return self._read if self._read is not None else self.source.current()
 
     def current(self) -> Policy | PolicyError:
-        current = self.source.current()
+        """The policy now, its change journaled before it is used."""
+        current = self._read = self.source.current()
         seen = str(current) if isinstance(current, PolicyError) else current.digest
         if seen != self._last:
             self._last = seen

@@ -12,10 +12,12 @@ the gate's verdict. The operator's state changes (answer, revoke, lock,
 unlock, a process exiting) live in `authority.py`, which ends the approvals
 and cards here through the book.
 
-`Service` is built from its parts, so tests can hand it fakes: a vault, a
-policy source, the approval book, an outbound dispatcher, a recorder, and the
-few functions that touch the operating system (liveness, watching a
-process, timers, the clock).
+One request travels as one frozen record, its `Case` (who asked, what, in which
+conversation, what was seen as its channel opened and as it arrived, how to reach
+the agent), as monitor.c's `authctxt` does; the outbound side gets one `Job`.
+`Service` is built from its parts, so tests can hand it fakes: a vault, a policy
+source, the approval book, an outbound dispatcher (`outbound.Dispatcher`), a
+recorder, and the functions that touch the operating system, in one `Edges`.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ from bastion.core.gate import (
     unanswered,
 )
 from bastion.core.grants import Grant, GrantEnd
-from bastion.core.policy import Account, Host
 from bastion.core.refusals import killed, not_started
 from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.core.waiting import waiting_line, wanted
@@ -72,6 +73,7 @@ from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.certify import NO_ISSUER, Certifier
 from bastion.gateway.intent import Intent
 from bastion.gateway.mux import MuxView
+from bastion.gateway.outbound import Job
 from bastion.gateway.recorder import PolicyWatch, Recorder
 from bastion.gateway.stdin import Taken, take
 from bastion.gateway.tenants import Tenant
@@ -96,19 +98,7 @@ class Outbound(Protocol):
     for an ending before the exec request left (the intent's own passes through) and
     returns a `Result` once it was sent."""
 
-    async def run(
-        self,
-        host: Host,
-        account: Account,
-        vault_epoch: int,
-        command: bytes,
-        agent: Any,
-        intent: Callable[[], None],
-        on_exec: Callable[[Any], None],
-        abandon: asyncio.Event | None = None,
-        certify: Callable[[], Awaitable[Any]] | None = None,
-        prepare: Callable[[], Awaitable[None]] | None = None,
-    ) -> Result: ...
+    async def run(self, job: Job) -> Result: ...
 
     def retire_all(self) -> None: ...
 
@@ -145,15 +135,14 @@ class InFlight:
 
 
 @dataclass(frozen=True)
-class Decided:
-    """The gate said dispatch; `command_card` is the card whose grant it used. The
-    request and streams are those it was decided for: with the stdin read before a
-    command card (`request.stdin`), the streams feed exactly those bytes."""
+class Opened:
+    """What was seen as the request's channel opened, before its request came: who was
+    connected to a run's ControlMaster (`mux`), and, of a later channel on its
+    connection, whether only the connection's own client can send through it (`own`:
+    `senders.own_connection`). The gate decides on both, with the same seen again."""
 
-    dispatch: Dispatch
-    command_card: str | None
-    request: Request
-    streams: Any
+    mux: MuxView | None = None
+    own: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +160,70 @@ class Arrival:
     # Of a later channel: only the connection's own client can send through it, as seen
     # at the channel's open and at its request (`senders.own_connection`).
     own: bool | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request on its way through the gateway: who asked (the connection, whose
+    peer is the subject), what, in which conversation, what was seen as its channel
+    opened and as it arrived, and how the agent is reached (`streams`; `tell` writes
+    to its stderr, `wait_line` is what it set in `BASTION_WAIT_LINE`). `perform`
+    carries out a file operation instead of an exec (`gateway/sftp_broker.py`);
+    `ack_unknown`: the agent inspected the target after an unknown outcome.
+
+    Frozen: reading the subject again (`handle`) or the stdin before a command card
+    (`authorize`) makes a new one, so each step sees the request it was decided for."""
+
+    conn: AgentConn
+    request: Request
+    conversation: str | None = None
+    streams: Any = None
+    opened: Opened = Opened()
+    arrival: Arrival | None = None  # set once, by `Service.arrive`
+    tell: Callable[[bytes], None] | None = None
+    wait_line: str | None = None
+    perform: Perform | None = None
+    ack_unknown: bool = False
+
+    @property
+    def subject(self) -> Subject:
+        return self.conn.peer.subject
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The gate said dispatch; `command_card` is the card whose grant it used. The case
+    is the one it was decided for: with the stdin read before a command card
+    (`request.stdin`), its streams feed exactly those bytes."""
+
+    dispatch: Dispatch
+    command_card: str | None
+    case: Case
+
+
+def _nobody(_: object) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Edges:
+    """What the request path reads of the operating system and the agent's ssh client,
+    and the one thing it asks of them (`watch`): each a function, so tests hand fakes
+    (the daemon's are `lifetime.Gateway`'s). Every default observes nothing."""
+
+    alive: Callable[[int, float], bool]  # is (pid, start time) still that process
+    watch: Callable[[Subject], None] = _nobody  # tell me when it exits (a pidfd)
+    refresh: Callable[[Subject], Subject] = lambda s: s  # the subject, read again
+    rides_a_master: Callable[[Peer], bool] = lambda p: False  # its ssh may be a ControlMaster
+    # Who is connected to a run's ControlMaster (`mux.observe`), given the peer and the
+    # inode of the gateway's end of the connection.
+    mux_clients: Callable[[Peer, int], MuxView] = lambda p, i: unseen()
+    own_connection: Callable[[Peer], bool | None] = lambda p: None  # `senders.own_connection`
+    # Why no new work is taken (a full witness buffer, when_full = refuse), or None.
+    refusing: Callable[[], str | None] = lambda: None
+    # Reads an agent's stdin whole before a command card (`stdin.take`), given its streams.
+    take_stdin: Callable[[Any], Awaitable[Taken]] = take
+    clock: Callable[[], float] = time.time
 
 
 def unseen() -> MuxView:
@@ -196,6 +249,11 @@ def new_request_id() -> str:
 
 
 class Service:
+    """The request path of one lifetime (module docstring). `witnessed`: a witness
+    holds the intent's head before the exec (`Witness.intent`); `certifier` signs
+    certificate accounts' logins (None: none can be); `on_sessions_changed` saves
+    what the next lifetime's cards need (`lifetime.json`)."""
+
     def __init__(
         self,
         boot_id: str,
@@ -204,22 +262,14 @@ class Service:
         book: ApprovalBook,
         outbound: Outbound,
         recorder: Recorder,
-        alive: Callable[[int, float], bool],
+        edges: Edges,
         *,
-        watch: Callable[[Subject], None] = lambda s: None,
-        refresh: Callable[[Subject], Subject] = lambda s: s,
-        rides_a_master: Callable[[Peer], bool] = lambda p: False,
-        mux_clients: Callable[[Peer, int], MuxView] = lambda p, i: unseen(),
-        own_connection: Callable[[Peer], bool | None] = lambda p: None,
-        refusing: Callable[[], str | None] = lambda: None,
         admission: Admission | None = None,
-        schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
-        clock: Callable[[], float] = time.time,
-        approval_timeout: float = APPROVAL_TIMEOUT,
-        on_sessions_changed: Callable[[], None] = lambda: None,
         certifier: Certifier | None = None,
         witnessed: Callable[[int], Awaitable[str | None]] | None = None,
-        take_stdin: Callable[[Any], Awaitable[Taken]] = take,
+        schedule: Callable[[float, Callable[[], object]], Timer] | None = None,
+        approval_timeout: float = APPROVAL_TIMEOUT,
+        on_sessions_changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.boot_id = boot_id
         self.vault = vault
@@ -227,26 +277,13 @@ class Service:
         self.book = book
         self.outbound = outbound
         self.recorder = recorder
-        self.alive = alive
-        self.watch = watch
-        self.refresh = refresh
-        self.rides_a_master = rides_a_master
-        # Who is connected to a run's ControlMaster (`mux.observe`), given the peer and
-        # the inode of the gateway's end of the connection.
-        self.mux_clients = mux_clients
-        self.own_connection = own_connection  # nothing else can send through it (or None)
-        # Why no new work is taken (a full witness buffer, when_full = refuse), or None.
-        self.refusing = refusing
+        self.edges = edges
         self.admission = admission or Admission(limit=None)  # tests: no limit unless asked
+        self.certifier = certifier
+        self.witnessed = witnessed
         self.schedule = schedule
-        self.clock = clock
         self.approval_timeout = approval_timeout
         self.on_sessions_changed = on_sessions_changed
-        self.certifier = certifier  # signs certificate accounts' logins; None: none can be
-        self.witnessed = witnessed  # a witness holds the intent's head (`Witness.intent`)
-        # Reads an agent's stdin whole before a command card (`stdin.take`), given the
-        # request's streams.
-        self.take_stdin = take_stdin
         self.actions = ActionKeys()
         # Bytes of per-command uploads each tenant holds for their file cards (`sftp`).
         self.held: Counter[Tenant] = Counter()
@@ -273,29 +310,23 @@ class Service:
 
     # -- the world, as the gate sees it --------------------------------------------------
 
-    def world(
-        self,
-        req: Request,
-        subject: Subject,
-        conversation: str | None,
-        command_card: str | None,
-        arrival: Arrival | None = None,
-    ) -> World:
+    def world(self, case: Case, command_card: str | None = None) -> World:
         """Everything the gate may look at, now: each value observed, none judged, and
         nothing changed -- reading the world journals nothing and ends nothing."""
-        seen = arrival or Arrival(lost=self.recorder.lost)
-        grant, ended = self.book.session_for(subject, req.host, req.user, conversation)
+        req, subject = case.request, case.subject
+        seen = case.arrival or Arrival(lost=self.recorder.lost)
+        grant, ended = self.book.session_for(subject, req.host, req.user, case.conversation)
         tenant = Tenant.of_subject(subject)
         return World(
             locked=self.vault.locked,
             vault_epoch=self.vault.epoch,
             boot_id=self.boot_id,
-            policy=self.policy.current(),
-            subject_alive=self.alive(subject.pid, subject.start_time),
+            policy=self.policy.seen(),
+            subject_alive=self.edges.alive(subject.pid, subject.start_time),
             session=grant,
             ended=ended,
             command_grant=self.book.command_grant(command_card),
-            now=self.clock(),
+            now=self.edges.clock(),
             action_unknown=self.actions.blocking(req.action),
             certify_problem=self.certifier.problem() if self.certifier else NO_ISSUER,
             shared_connection=seen.shared_connection,
@@ -315,140 +346,107 @@ class Service:
             other_exec=self.book.other_exec(subject),
         )
 
-    def look(
-        self,
-        req: Request,
-        subject: Subject,
-        conversation: str | None,
-        command_card: str | None,
-        arrival: Arrival | None = None,
-    ) -> World:
-        """The world, after carrying out what the gate says it ends (`exec_endings`:
+    def look(self, case: Case, command_card: str | None = None) -> World:
+        """The world, with what reading it must journal or end done around it, not in
+        it: the policy read now (`PolicyWatch.current` journals a change before it
+        decides anything), the bounded grants core says are spent (`Grant.end_reason`)
+        ended; then, once it is read, what the gate says an exec ends (`exec_endings`:
         the grants of the subject's old exec), so the next look finds them ended."""
-        world = self.world(req, subject, conversation, command_card, arrival)
+        self.policy.current()
+        self.book.end_spent_grants()
+        world = self.world(case, command_card)
         ending = exec_endings(world)
         if ending:
-            self.book.end_for_exec(subject, ending)
+            self.book.end_for_exec(case.subject, ending)
         return world
 
     # -- one request ---------------------------------------------------------------------
 
-    async def handle(
-        self,
-        conn: AgentConn,
-        req: Request,
-        conversation: str | None,
-        streams: Any,
-        *,
-        ack_unknown: bool = False,
-        opened: MuxView | None = None,
-        perform: Perform | None = None,
-        tell: Callable[[bytes], None] | None = None,
-        wait_line: str | None = None,
-        own_at_open: bool | None = None,
-    ) -> Result | Failure:
-        """The whole life of one exec request; every ending is journaled.
+    async def handle(self, case: Case) -> Result | Failure:
+        """The whole life of one request; every ending is journaled.
 
         The subject is read again first: identified at connect, it may have exec'd
-        into another program since, and that program is not what was approved.
-        `opened`: who was connected to a run's ControlMaster as the channel opened.
-        `tell` writes to the agent's stderr, `wait_line` is what the agent set in
-        `BASTION_WAIT_LINE`: together, the waiting line of each card (`core/waiting`)."""
-        fresh = self.refresh(conn.peer.subject)
+        into another program since, and that program is not what was approved."""
+        conn = case.conn
+        fresh = self.edges.refresh(conn.peer.subject)
         if fresh != conn.peer.subject:
             conn.peer = replace(conn.peer, subject=fresh)
-            req = replace(req, subject_key=fresh.key)
-        arrival = self.arrive(conn, req, conversation, opened, own_at_open)
-        if ack_unknown and req.action is not None:
-            self.acknowledge(conn, req, conversation, arrival)
-        decided = await self.authorize(conn, req, conversation, arrival, streams, tell, wait_line)
+            case = replace(case, request=replace(case.request, subject_key=fresh.key))
+        case = replace(case, arrival=self.arrive(case))
+        if case.ack_unknown and case.request.action is not None:
+            self.acknowledge(case)
+        decided = await self.authorize(case)
         if isinstance(decided, Failure):
-            return self._denied(conn, req, decided)
-        req, streams = decided.request, decided.streams
+            return self._denied(case, decided)
+        case = decided.case
         try:
             async with self.admission.slot(
-                conn.peer.subject.process_key,
-                Tenant.of_subject(conn.peer.subject),
+                case.subject.process_key,
+                Tenant.of_subject(case.subject),
                 decided.dispatch.account.label,
             ):
-                return await self.dispatch(
-                    conn, req, conversation, decided, streams, arrival, perform
-                )
+                return await self.dispatch(decided)
         except NoSlot as busy:
-            now = self.look(req, conn.peer.subject, conversation, decided.command_card, arrival)
-            ended = after_wait(req, now, no_slot(str(busy)))
-            return self._denied(conn, req, ended.failure(req.request_id))
+            now = self.look(case, decided.command_card)
+            ended = after_wait(case.request, now, no_slot(str(busy)))
+            return self._denied(case, ended.failure(case.request.request_id))
         finally:
             self.book.discard_command_grant(decided.command_card)
 
-    def arrive(
-        self,
-        conn: AgentConn,
-        req: Request,
-        conversation: str | None,
-        opened: MuxView | None = None,
-        own_at_open: bool | None = None,
-    ) -> Arrival:
+    def arrive(self, case: Case) -> Arrival:
         """Journal the request's first record and observe what holds for its life. A
         record that cannot be written is observed too: the gate refuses the request.
         Who rides a run's shared connection is read here and was read as the channel
-        opened (`opened`): a process that sent its command and left in between is not
-        seen here, and was there."""
+        opened (`case.opened`): a process that sent its command and left in between is
+        not seen here, and was there."""
+        conn, req = case.conn, case.request
         not_journaled: str | None = None
         try:
-            self.recorder.received(conn.peer, req, conversation)
+            self.recorder.received(conn.peer, req, case.conversation)
         except (OSError, JournalError) as exc:  # nothing is taken that the journal cannot tell
             log.error("%s: could not journal the request: %s", req.request_id, exc)
             not_journaled = str(exc)
-        shared = self.rides_a_master(conn.peer)
+        shared = self.edges.rides_a_master(conn.peer)
         mux = None
         later = req.channel is Channel.SHARED or req.later
         if conn.peer.subject.kind is SubjectKind.RUN and (shared or later):
-            mux = both(opened, self.mux_clients(conn.peer, conn.socket_inode))
+            mux = both(case.opened.mux, self.edges.mux_clients(conn.peer, conn.socket_inode))
             log.info("%s: shared connection of a run: %s", req.request_id, mux.seen)
         own = None
-        if later:
-            own = own_at_open and self.own_connection(conn.peer)  # both sightings say so
+        if later:  # both sightings say so
+            own = case.opened.own and self.edges.own_connection(conn.peer)
         return Arrival(
             not_journaled,
             self.recorder.lost,  # a record lost after this: not sent
             shared,
-            self.refusing(),
+            self.edges.refusing(),
             mux,
             own,
         )
 
-    def acknowledge(
-        self, conn: AgentConn, req: Request, conversation: str | None, arrival: Arrival
-    ) -> None:
+    def acknowledge(self, case: Case) -> None:
         """The agent inspected the target after an unknown outcome: its action is clear
         again -- unless the gateway does not take this request at all (`gate.intake`)."""
+        req = case.request
         assert req.action is not None
-        world = self.look(req, conn.peer.subject, conversation, None, arrival)
-        if intake(req, world) is None and self.actions.acknowledge(req.action):
+        if intake(req, self.look(case)) is None and self.actions.acknowledge(req.action):
             self.recorder.record(
                 EventType.ACTION_ACKNOWLEDGED, {"action": req.action, "request_id": req.request_id}
             )
 
-    def _denied(self, conn: AgentConn, req: Request, failure: Failure) -> Failure:
-        why = self.withdrawn.pop(req.request_id, None)
-        self.recorder.denied(conn.peer.subject, req, failure, why)
+    def _denied(self, case: Case, failure: Failure) -> Failure:
+        why = self.withdrawn.pop(case.request.request_id, None)
+        self.recorder.denied(case.subject, case.request, failure, why)
         return failure
 
-    async def authorize(
-        self,
-        conn: AgentConn,
-        req: Request,
-        conversation: str | None,
-        arrival: Arrival | None = None,
-        streams: Any = None,
-        tell: Callable[[bytes], None] | None = None,
-        wait_line: str | None = None,
-    ) -> Decided | Failure:
+    async def authorize(self, case: Case) -> Decided | Failure:
+        """Ask the gate until it says dispatch or no: a card between two asks, the
+        stdin read before a command card, one use of a bounded grant."""
         command_card: str | None = None
         reason: EndReason | None = None
         for _ in range(MAX_ROUNDS + 1):  # + the one round that reads stdin
-            world = self.look(req, conn.peer.subject, conversation, command_card, arrival)
+            req = case.request
+            world = self.look(case, command_card)
             verdict = evaluate(req, world)
             if isinstance(verdict, Dispatch) and verdict.grant is not None:
                 # A bounded grant covers it: take one use now, with no await since the
@@ -456,13 +454,13 @@ class Service:
                 command_card = self._use_grant(req, verdict, verdict.grant)
                 continue
             if isinstance(verdict, Dispatch):
-                return Decided(verdict, command_card, req, streams)
+                return Decided(verdict, command_card, case)
             if isinstance(verdict, Refusal):
                 return verdict.failure(req.request_id, reason)
             if reads_stdin(req, verdict):  # a command card: its stdin first, then ask again
-                taken = await self.take_stdin(streams)
-                req, streams = replace(req, stdin=taken.stdin), taken.streams
-                self.recorder.stdin(req)
+                taken = await self.edges.take_stdin(case.streams)
+                case = replace(case, request=replace(req, stdin=taken.stdin), streams=taken.streams)
+                self.recorder.stdin(case.request)
                 continue
             if isinstance(verdict, AskSession):
                 reason = verdict.reason
@@ -470,20 +468,19 @@ class Service:
                     self.book.end_sessions(
                         lambda g: g.id == stale.id, verdict.reason or EndReason.POLICY_CHANGED
                     )
-            now = self.clock()
             card = make_card(
                 ("cc_" if not isinstance(verdict, AskSession) else "sc_") + secrets.token_hex(6),
                 req,
                 verdict,
-                conn.peer,
-                conversation,
+                case.conn.peer,
+                case.conversation,
                 self.boot_id,
                 world.vault_epoch,
-                now,
+                self.edges.clock(),
                 self.approval_timeout,
             )
-            told = tell if wanted(verdict.account.waiting_line, wait_line) else None
-            answer, why = await self._ask(conn, card, told)
+            told = case.tell if wanted(verdict.account.waiting_line, case.wait_line) else None
+            answer, why = await self._ask(case.conn, card, told)
             if answer is not CardEnding.APPROVED:
                 if why is not None:  # nobody said no: the `denied` record says why
                     self.withdrawn[req.request_id] = why
@@ -492,7 +489,7 @@ class Service:
                 return refused.failure(req.request_id)
             if card.kind is CardKind.COMMAND:
                 command_card = card.id
-        return rounds_exhausted().failure(req.request_id)
+        return rounds_exhausted().failure(case.request.request_id)
 
     def _use_grant(self, req: Request, verdict: Dispatch, grant: Grant) -> str | None:
         """One use of a bounded grant for this request, journaled with its id: the key
@@ -513,7 +510,7 @@ class Service:
         while waiting, the channel or connection closed: the card is withdrawn so."""
         fut = self.book.open_card(card)
         conn.cards.add(card.id)
-        self.watch(card.subject)
+        self.edges.watch(card.subject)
         if tell is not None:
             _tell(tell, waiting_line(card), card.request_id)
         log.info(
@@ -539,29 +536,19 @@ class Service:
             why = self.book.withdrawal(card.id)
         return ending, why
 
-    async def dispatch(
-        self,
-        conn: AgentConn,
-        req: Request,
-        conversation: str | None,
-        decided: Decided,
-        streams: Any,
-        arrival: Arrival | None = None,
-        perform: Perform | None = None,
-    ) -> Result | Failure:
+    async def dispatch(self, decided: Decided) -> Result | Failure:
         """Send a decided command (or carry out a decided file operation: `perform`):
         re-ask the gate, spend the grant, journal the intent durably (and, with a
         witness, have it confirmed: `Intent.prepare`), exec, relay, and record the
         outcome as it is known. A refusal is journaled here: the intent's as `denied`,
         the outbound side's as `not_started`. (None is raised on: a frozen `Refusal`
         cannot pass through a context manager, which sets its `__traceback__`.)"""
+        case, chosen = decided.case, decided.dispatch
+        req = case.request
         flight = InFlight(req.request_id)
-        chosen = decided.dispatch
-        seen = arrival or Arrival(lost=self.recorder.lost)
 
         def last_word() -> Refusal | None:
-            world = self.look(req, conn.peer.subject, conversation, decided.command_card, seen)
-            return final_check(req, world, chosen)
+            return final_check(req, self.look(case, decided.command_card), chosen)
 
         intent = Intent(
             req.request_id,
@@ -577,28 +564,27 @@ class Service:
         def started(process: Any) -> None:
             flight.process = process
 
-        certify = self.certifier and self.certifier.login(req, chosen.account)
-
         try:
-            if perform is not None:
-                result = await perform(chosen, intent)
+            if case.perform is not None:
+                result = await case.perform(chosen, intent)
             else:
-                result = await self.outbound.run(
+                job = Job(
                     chosen.host,
                     chosen.account,
                     self.vault.epoch,
                     req.command,
-                    streams,
+                    case.streams,
                     intent,
                     started,
                     flight.abandon,
-                    certify=certify,
+                    certify=self.certifier and self.certifier.login(req, chosen.account),
                     prepare=intent.prepare if self.witnessed is not None else None,
                     terminal=req.terminal,
                 )
+                result = await self.outbound.run(job)
         except Refusal as refused:
             if refused is intent.refusal:  # the gate, the journal or the witness said no
-                return self._denied(conn, req, refused.failure(req.request_id))
+                return self._denied(case, refused.failure(req.request_id))
             # Ended before the exec request left (connect, credential, certificate).
             result = not_started(refused)
             self.recorder.outcome(req.request_id, result)

@@ -50,8 +50,8 @@ from bastion.core.files import (
     FileOp,
 )
 from bastion.core.policy import ApprovalMode, Policy
-from bastion.gateway.service import AgentConn, Service
-from bastion.gateway.sftp_broker import At, Broker, Later, OpenSftp, never, sftp_error
+from bastion.gateway.service import AgentConn, Opened, Service
+from bastion.gateway.sftp_broker import At, Broker, OpenSftp, never, sftp_error
 from bastion.gateway.trim import TRIMMER
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ async def serve(
     conversation: str | None,
     ssh_user: str,
     open_sftp: OpenSftp,
-    later: Later | None = None,
+    later: Opened | None = None,
 ) -> None:
     """Serve one sftp channel to its end; every operation is a request of its own.
     `later`: the channel came after another on its connection, and what was seen of who

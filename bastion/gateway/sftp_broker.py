@@ -55,21 +55,10 @@ from bastion.core.gate import Channel, Dispatch, Request, file_resolved
 from bastion.core.policy import Account, Host
 from bastion.core.refusals import Fact, lost, refusal
 from bastion.gateway.intent import Intent
-from bastion.gateway.mux import MuxView
-from bastion.gateway.service import AgentConn, Service, new_request_id
+from bastion.gateway.service import AgentConn, Case, Opened, Service, new_request_id
 from bastion.gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Later:
-    """An sftp channel opened after another on its connection: who was seen connected
-    to a run's ControlMaster as it opened, and whether only its own client can send
-    through the connection (`senders.own_connection`); the gate decides on both."""
-
-    opened: MuxView | None
-    own: bool | None
 
 
 OpenSftp = Callable[
@@ -119,7 +108,9 @@ class Broker:
         self.open_sftp = open_sftp
         self.wait_line: str | None = None  # the agent's BASTION_WAIT_LINE, if it sent one
         self.holding = 0  # bytes this channel's open files hold for their file cards
-        self.later: Later | None = None  # a later channel of its connection (`serve`)
+        # Of a channel opened after another on its connection: what was seen as it opened
+        # (`serve`); None for the connection's first.
+        self.later: Opened | None = None
         self.home: str | None = None
         self.ending = False
         self._lease: _Lease | None = None
@@ -279,17 +270,16 @@ class Broker:
                 )
             return Result(Outcome.COMPLETED, exit_status=0, transferred=moved())
 
-        result = await self.service.handle(
+        case = Case(
             self.conn,
             req,
             self.conversation,
-            None,
-            perform=perform,
+            opened=self.later or Opened(),
             tell=self.stderr.write,
             wait_line=self.wait_line,
-            opened=self.later.opened if self.later else None,
-            own_at_open=self.later.own if self.later else None,
+            perform=perform,
         )
+        result = await self.service.handle(case)
         if isinstance(result, Failure):
             with contextlib.suppress(OSError, asyncssh.Error):
                 self.stderr.write(result.json_line())

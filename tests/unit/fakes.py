@@ -24,8 +24,9 @@ from bastion.core.stdin import Stdin, StdinEnd
 from bastion.core.subject import Peer, ProcessInfo, Subject
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.assembly import build_service
+from bastion.gateway.outbound import Job
 from bastion.gateway.recorder import Recorder
-from bastion.gateway.service import AgentConn, PolicyWatch
+from bastion.gateway.service import AgentConn, Edges, PolicyWatch
 from bastion.gateway.stdin import Taken
 from bastion.journal import JournalError
 from bastion.vault import VaultLocked, WrongPassphrase
@@ -201,23 +202,16 @@ class FakeOutbound:
         self.on_send: Callable[[Call], None] = lambda call: None
         self.retired = 0
 
-    async def run(
-        self,
-        host: Host,
-        account: Account,
-        vault_epoch: int,
-        command: bytes,
-        agent: Any,
-        intent: Callable[[], None],
-        on_exec: Callable[[Any], None],
-        abandon: asyncio.Event | None = None,
-        certify: Callable[[], Any] | None = None,
-        prepare: Callable[[], Any] | None = None,
-        terminal: Any = None,
-    ) -> Result:
+    async def run(self, job: Job) -> Result:
         loop = asyncio.get_running_loop()
         call = Call(
-            host, account, command, agent, intent, loop.create_future(), loop.create_future()
+            job.host,
+            job.account,
+            job.command,
+            job.streams,
+            job.intent,
+            loop.create_future(),
+            loop.create_future(),
         )
         self.calls.append(call)
         if self.auto:
@@ -226,13 +220,13 @@ class FakeOutbound:
             await call.connected
         except OSError:  # as `outbound.Dispatcher`: nothing left, so a Refusal
             raise Refusal(Code.UNREACHABLE, "unreachable", cause=Code.UNREACHABLE.value) from None
-        if prepare is not None:
-            await prepare()  # a witness holds the intent, or it raises a Refusal: nothing leaves
-        intent()  # raises the intent's Refusal: nothing leaves
+        if job.prepare is not None:
+            await job.prepare()  # a witness holds the intent, or it raises a Refusal
+        job.intent()  # raises the intent's Refusal: nothing leaves
         call.sent = True
         self.sent.append(call)
         self.on_send(call)
-        on_exec(FakeProcess(call))
+        job.on_exec(FakeProcess(call))  # type: ignore[arg-type]
         if self.auto:
             call.finish(Result(Outcome.COMPLETED, exit_status=0))
         return await asyncio.shield(call.done)
@@ -357,12 +351,11 @@ class FakeGateway:
             book=self.book,
             outbound=self.outbound,
             recorder=self.recorder,
-            alive=tree.alive,
-            watch=tree.watch,
+            edges=Edges(
+                alive=tree.alive, watch=tree.watch, take_stdin=take_stdin or no_stdin, clock=clock
+            ),
             schedule=self.timers,
-            clock=clock,
             approval_timeout=120.0,
-            take_stdin=take_stdin or no_stdin,
         )
         self.service = assembly.service
         self.authority = assembly.authority

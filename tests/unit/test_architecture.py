@@ -350,3 +350,133 @@ def test_every_room_says_what_it_holds() -> None:
         for path in sorted((PACKAGE / room).glob("*.py")):
             if path.name != "__init__.py" and room not in {"cli", "devtools", "gateway"}:
                 assert f"`{path.stem}`" in doc, f"{room}/__init__.py does not name {path.stem}"
+
+
+# -- reading the world only reads ------------------------------------------------------------
+
+# What `Service.world` may call, by the attribute it calls it on, and the class whose method
+# that is (None: an observing function handed in, `service.Edges`). Each method listed here
+# is itself read below: it stores nothing on its object and calls only other readers.
+WORLD_READS: dict[tuple[str, str], tuple[str, str] | None] = {
+    ("book", "session_for"): ("gateway/approvals.py", "ApprovalBook"),
+    ("book", "command_grant"): ("gateway/approvals.py", "ApprovalBook"),
+    ("book", "pending"): ("gateway/approvals.py", "ApprovalBook"),
+    ("book", "grants_for"): ("gateway/approvals.py", "ApprovalBook"),
+    ("book", "other_exec"): ("gateway/approvals.py", "ApprovalBook"),
+    ("policy", "seen"): ("gateway/recorder.py", "PolicyWatch"),
+    ("actions", "blocking"): ("gateway/actions.py", "ActionKeys"),
+    ("certifier", "problem"): ("gateway/certify.py", "Certifier"),
+    ("edges", "alive"): None,
+    ("edges", "clock"): None,
+}
+# What a reader may call on the containers and sources it holds.
+CONTAINER_READS = {"get", "values", "items", "keys", "current", "problem"}
+
+
+def _method(path: str, cls: str, name: str) -> ast.FunctionDef | None:
+    """The method `name` of `cls`, or None (an attribute holding a function)."""
+    tree = ast.parse((PACKAGE / path).read_text())
+    (klass,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    found = [n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return found[0] if found else None
+
+
+def _self_calls(fn: ast.FunctionDef) -> list[tuple[str, ...]]:
+    """Every call on `self` in `fn`: ("x",) for `self.x()`, ("a", "b") for `self.a.b()`."""
+    found = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            chain, value = [node.func.attr], node.func.value
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "self":
+                found.append(tuple(chain))
+    return found
+
+
+def _stores_on_self(fn: ast.FunctionDef) -> list[int]:
+    """Lines where `fn` assigns to, or deletes, anything reached from `self`."""
+    lines = []
+    for node in ast.walk(fn):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            base = target
+            while isinstance(base, ast.Attribute | ast.Subscript):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "self" and base is not target:
+                lines.append(node.lineno)
+    return lines
+
+
+def _reads_only(path: str, cls: str, name: str, seen: set[str] | None = None) -> list[str]:
+    """Why `cls.name` (and what it calls on itself) is not a pure read; empty if it is."""
+    seen = seen if seen is not None else set()
+    if name in seen:
+        return []
+    seen.add(name)
+    fn = _method(path, cls, name)
+    if fn is None:
+        return [f"{cls} calls self.{name}, a function it was handed"]
+    problems = [f"{cls}.{name}:{line} stores on self" for line in _stores_on_self(fn)]
+    for chain in _self_calls(fn):
+        if len(chain) == 1:
+            problems += _reads_only(path, cls, chain[0], seen)
+        elif chain[-1] not in CONTAINER_READS:
+            problems.append(f"{cls}.{name} calls self.{'.'.join(chain)}")
+    return problems
+
+
+def test_building_the_world_only_reads() -> None:
+    """`Service.world` calls only readers, and each reader stores nothing and calls only
+    readers: what is journaled or ended around a look is `Service.look`'s, carried out
+    as core says. (Before issue 33, `session_for` ended the old exec's sessions,
+    `grants_for` ended spent grants and `policy.current` journaled a new digest.)"""
+    world = _method("gateway/service.py", "Service", "world")
+    assert world is not None
+    for chain in _self_calls(world):
+        assert chain in WORLD_READS, f"Service.world calls self.{'.'.join(chain)}"
+    assert not _stores_on_self(world)
+    for (_, name), owner in WORLD_READS.items():
+        if owner is not None:
+            assert _reads_only(*owner, name) == [], owner
+
+
+def test_the_read_rule_sees_a_write() -> None:
+    """The control: the methods that end and journal are caught by the same rule."""
+    book = ("gateway/approvals.py", "ApprovalBook")
+    assert _reads_only(*book, "end_for_exec")
+    assert _reads_only(*book, "end_spent_grants")
+    assert _reads_only("gateway/recorder.py", "PolicyWatch", "current")
+
+
+async def test_building_the_world_journals_nothing_and_ends_nothing() -> None:
+    """Run, not read: an approved process exec's into another program; building the
+    world then writes no record and ends no session, though it sees the old exec's.
+    The control: `look` at the same moment ends that session, as `process_changed`."""
+    from bastion.core.events import EventType
+    from bastion.core.gate import Request
+    from bastion.gateway.service import Case, new_request_id
+    from tests.unit.test_service import Rig
+
+    rig = Rig()
+    await rig.unlock()
+    agent = rig.tree.spawn()
+    task = rig.send(rig.life.connect(agent))
+    await rig.approve()
+    await task
+    agent.exe = "/usr/bin/other"  # the same process, exec'd into another executable
+    conn = rig.life.connect(agent)
+    req = Request(new_request_id(), conn.host, conn.user, b"echo hi", conn.peer.subject.key)
+    case, service = Case(conn, req), rig.life.service
+    records, sessions = len(rig.journal.records), rig.life.book.sessions()
+    world = service.world(case)
+    assert world.session is None and len(world.other_exec) == 1
+    assert len(rig.journal.records) == records and rig.life.book.sessions() == sessions
+    service.look(case)
+    assert rig.life.book.sessions() == []
+    assert rig.journal.of(EventType.SESSION_ENDED)[-1].meta["reason"] == "process_changed"

@@ -17,7 +17,7 @@ import pytest
 
 from bastion.core.events import Outcome, Result
 from bastion.core.gate import Request
-from bastion.gateway.service import new_request_id
+from bastion.gateway.service import Case, new_request_id
 from tests.unit.fakes import (
     PASSPHRASE,
     FakeGateway,
@@ -85,7 +85,7 @@ def test_the_service_and_the_authority_share_their_parts(life: FakeGateway) -> N
     assert authority.book is service.book is life.book
     assert authority.recorder is service.recorder is life.recorder
     assert authority.vault is service.vault
-    assert authority.alive is service.alive
+    assert authority.alive is service.edges.alive
 
 
 async def test_a_vault_change_retires_the_services_connections(life: FakeGateway) -> None:
@@ -103,7 +103,7 @@ async def test_lock_with_terminate_ends_what_the_service_has_in_flight(life: Fak
     await life.authority.unlock(PASSPHRASE)
     conn = life.connect(TREE.spawn(), user="ops")
     req = Request(new_request_id(), "web1", "ops", b"uptime", conn.peer.subject.key)  # preapproved
-    task = asyncio.ensure_future(life.service.handle(conn, req, None, req.request_id))
+    task = asyncio.ensure_future(life.service.handle(Case(conn, req, None, req.request_id)))
     await idle()
     (card,) = life.book.pending()  # the session card: only the command card is skipped
     life.authority.answer(card.id, True)

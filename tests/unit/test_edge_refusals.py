@@ -32,7 +32,7 @@ from bastion.core.refusals import (
     waited_out,
 )
 from bastion.gateway.agent_doors import hosts_view
-from bastion.gateway.outbound import Dispatcher
+from bastion.gateway.outbound import Dispatcher, Job
 from bastion.vault import VaultError, VaultLocked
 
 SIGN_FIX = (
@@ -292,9 +292,8 @@ def _run(dispatcher: Dispatcher, host: Any, account: Any, **kwargs: Any) -> Resu
     def never(*_: object) -> None:
         raise AssertionError("nothing may reach the exec")
 
-    return asyncio.run(
-        dispatcher.run(host, account, 1, b"true", None, never, never, **kwargs)  # type: ignore[arg-type]
-    )
+    job = Job(host, account, 1, b"true", None, never, never, **kwargs)  # type: ignore[arg-type]
+    return asyncio.run(dispatcher.run(job))
 
 
 def test_a_target_that_is_not_there_is_raised_as_a_refusal() -> None:

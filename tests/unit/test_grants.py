@@ -29,7 +29,7 @@ from bastion.core.policy import PolicyError, build_policy, entry_digest
 from bastion.core.stdin import Stdin, StdinEnd
 from bastion.gateway.approvals import CardError, GrantAsk
 from bastion.gateway.control import grant_arg
-from bastion.gateway.service import AgentConn, new_request_id
+from bastion.gateway.service import AgentConn, Case, new_request_id
 from bastion.gateway.stdin import Taken
 from bastion.ops.opsock import OperatorError
 from tests.unit.fakes import (
@@ -327,7 +327,9 @@ class Rig:
     def send(self, command: bytes, conn: AgentConn | None = None) -> asyncio.Task[Any]:
         conn = conn or self.conn
         req = Request(new_request_id(), "web1", "gr", command, conn.peer.subject.key)
-        return asyncio.ensure_future(self.life.service.handle(conn, req, None, req.request_id))
+        return asyncio.ensure_future(
+            self.life.service.handle(Case(conn, req, None, req.request_id))
+        )
 
     async def card(self) -> Any:
         await idle()

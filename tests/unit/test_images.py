@@ -24,7 +24,7 @@ from bastion.core.contract import Failure
 from bastion.core.events import Result
 from bastion.core.gate import Request
 from bastion.core.subject import ExecWatch, ProcessInfo, Subject, exact_base64, shown_path
-from bastion.gateway.service import AgentConn, new_request_id
+from bastion.gateway.service import AgentConn, Case, new_request_id
 from bastion.identity import images as images_mod
 from bastion.identity.images import CTIME_MARGIN_NS, ExeHasher, Images, layout
 from tests.unit.fakes import (
@@ -311,10 +311,13 @@ class Book:
 
     def ask(self, conn: AgentConn, image: str) -> asyncio.Task[Result | Failure]:
         """`uptime` (preapproved on both accounts) from `conn`, its process in `image`."""
-        self.life.service.refresh = lambda s: replace(s, image=image)
-        subject = self.life.service.refresh(conn.peer.subject)
+        edges = replace(self.life.service.edges, refresh=lambda s: replace(s, image=image))
+        self.life.service.edges = edges
+        subject = edges.refresh(conn.peer.subject)
         req = Request(new_request_id(), conn.host, conn.user, b"uptime", subject.key)
-        return asyncio.ensure_future(self.life.service.handle(conn, req, None, req.request_id))
+        return asyncio.ensure_future(
+            self.life.service.handle(Case(conn, req, None, req.request_id))
+        )
 
     async def card(self) -> Card:
         await idle()

@@ -24,7 +24,7 @@ from bastion.core.subject import Run, SubjectKind
 from bastion.gateway import authority as authority_mod
 from bastion.gateway.admission import Admission
 from bastion.gateway.approvals import CardError
-from bastion.gateway.service import AgentConn, new_request_id
+from bastion.gateway.service import AgentConn, Case, new_request_id
 from bastion.vault import WrongPassphrase
 from tests.unit.fakes import (
     PASSPHRASE,
@@ -71,9 +71,8 @@ class Rig:
             kw.pop("channel", Channel.EXEC),
             kw.pop("ssh_user", None),
         )
-        coro: Awaitable[Result | Failure] = self.life.service.handle(
-            conn, req, kw.pop("conversation", None), req.request_id, **kw
-        )
+        case = Case(conn, req, kw.pop("conversation", None), req.request_id, **kw)
+        coro: Awaitable[Result | Failure] = self.life.service.handle(case)
         return asyncio.ensure_future(coro)
 
     async def card(self) -> Any:
@@ -398,28 +397,6 @@ async def test_an_exec_into_another_binary_ends_the_approval(rig: Rig) -> None:
     waiting.cancel()
 
 
-async def test_building_the_world_journals_nothing_and_ends_nothing(rig: Rig) -> None:
-    """Reading the world only reads: what an exec ends is the gate's to say
-    (`gate.exec_endings`) and the service's to carry out (`look`), never the
-    snapshot's. The control: `look` at the same moment ends the old exec's grant."""
-    agent = rig.tree.spawn()
-    conn = rig.life.connect(agent)
-    task = rig.send(conn)
-    await rig.approve()
-    await task
-    agent.exe = "/usr/bin/other"  # the same process, exec'd into another executable
-    conn = rig.life.connect(agent)
-    service, subject = rig.life.service, conn.peer.subject
-    req = Request(new_request_id(), conn.host, conn.user, b"echo hi", subject.key)
-    records, sessions = len(rig.journal.records), rig.life.book.sessions()
-    world = service.world(req, subject, None, None)
-    assert world.session is None and len(world.other_exec) == 1
-    assert len(rig.journal.records) == records and rig.life.book.sessions() == sessions
-    service.look(req, subject, None, None)
-    assert rig.life.book.sessions() == []
-    assert rig.journal.of(EventType.SESSION_ENDED)[-1].meta["reason"] == "process_changed"
-
-
 async def test_a_policy_edit_ends_approvals_of_that_entry(rig: Rig) -> None:
     conn = rig.life.connect(rig.tree.spawn())
     task = rig.send(conn)
@@ -524,7 +501,7 @@ async def test_the_subject_is_read_again_at_each_request(rig: Rig) -> None:
     await rig.approve()
     assert isinstance(await first, Result)
     agent.exe = "/usr/bin/other"  # exec'd after its connection was identified
-    rig.life.service.refresh = lambda subject: agent.subject()
+    rig.life.service.edges = replace(rig.life.service.edges, refresh=lambda s: agent.subject())
     waiting = rig.send(conn)  # the same, old connection
     card = await rig.card()
     assert card.reason is not None and card.reason.value == "process_changed"
@@ -533,7 +510,7 @@ async def test_the_subject_is_read_again_at_each_request(rig: Rig) -> None:
 
 
 async def test_a_shared_ssh_connection_is_refused_before_any_card(rig: Rig) -> None:
-    rig.life.service.rides_a_master = lambda peer: True
+    rig.life.service.edges = replace(rig.life.service.edges, rides_a_master=lambda p: True)
     result = await rig.send(rig.life.connect(rig.tree.spawn()))
     assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
     assert "ControlMaster" in result.message and rig.life.book.pending() == []
@@ -543,13 +520,13 @@ async def test_a_full_witness_buffer_set_to_refuse_stops_new_work_before_any_car
     """`when_full = "refuse"`: nothing is dispatched the collector could not hear of,
     and the agent is told why and that a retry later may work."""
     full = "the audit witness is 9 entries behind; retry later"
-    rig.life.service.refusing = lambda: full
+    rig.life.service.edges = replace(rig.life.service.edges, refusing=lambda: full)
     result = await rig.send(rig.life.connect(rig.tree.spawn()))
     # Not now, and nothing was sent: the same request later may run (retryable).
     assert isinstance(result, Failure) and result.code is Code.GATEWAY_BUSY
     assert result.code.retryable and result.message == full and rig.life.book.pending() == []
     assert rig.outbound.calls == [] and rig.outbound.sent == []
-    rig.life.service.refusing = lambda: None  # caught up: work is taken again
+    rig.life.service.edges = replace(rig.life.service.edges, refusing=lambda: None)  # caught up
     waiting = rig.send(rig.life.connect(rig.tree.spawn()))
     await rig.card()
     waiting.cancel()
@@ -655,8 +632,10 @@ async def test_a_locked_vault_answers_before_every_refusal_an_edge_observes() ->
     for kw in ({"channel": Channel.SHELL}, {"channel": Channel.SHARED}, {"ssh_user": "root"}):
         result = await r.send(r.life.connect(r.tree.spawn()), **kw)
         assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED, kw
-    r.life.service.rides_a_master = lambda peer: True
-    r.life.service.refusing = lambda: "the audit witness is 9 entries behind"
+    behind = "the audit witness is 9 entries behind"
+    r.life.service.edges = replace(
+        r.life.service.edges, rides_a_master=lambda p: True, refusing=lambda: behind
+    )
     result = await r.send(r.life.connect(r.tree.spawn()))
     assert isinstance(result, Failure) and result.code is Code.VAULT_LOCKED
     assert r.journal.for_request(result.request_id) == ["request_received", "denied"]
@@ -668,7 +647,7 @@ async def test_a_locked_vault_answers_before_every_refusal_an_edge_observes() ->
     result = await r.send(r.life.connect(r.tree.spawn()))
     assert isinstance(result, Failure) and result.code is Code.UNSUPPORTED_REQUEST
     assert "ControlMaster" in result.message
-    r.life.service.rides_a_master = lambda peer: False
+    r.life.service.edges = replace(r.life.service.edges, rides_a_master=lambda p: False)
     result = await r.send(r.life.connect(r.tree.spawn()))
     assert isinstance(result, Failure) and result.code is Code.INTERNAL
     r.journal.fail = set()

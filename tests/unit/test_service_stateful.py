@@ -50,7 +50,7 @@ from bastion.core.events import TERMINAL, EventType, Outcome, Result, recover
 from bastion.core.gate import Request
 from bastion.core.policy import ApprovalMode, PolicyError, entry_digest, is_preapproved
 from bastion.gateway.approvals import CardError
-from bastion.gateway.service import AgentConn, new_request_id
+from bastion.gateway.service import AgentConn, Case, new_request_id
 from tests.unit.fakes import (
     PASSPHRASE,
     Agent,
@@ -250,7 +250,7 @@ class GatewayMachine(RuleBasedStateMachine):
         if self.vault.locked:
             self.asked_locked.add(rid)
         req = Request(rid, conn.host, conn.user, command, conn.peer.subject.key, action)
-        coro = self.life.service.handle(conn, req, None, (rid, conn), ack_unknown=ack)
+        coro = self.life.service.handle(Case(conn, req, None, (rid, conn), ack_unknown=ack))
         self.tasks.append(self.loop.create_task(coro))
         self.settle()
 

@@ -14,7 +14,7 @@ from bastion.core.events import Outcome, Result
 from bastion.core.gate import Channel, Request
 from bastion.core.policy import PolicyError, build_policy, entry_digest
 from bastion.core.waiting import wanted
-from bastion.gateway.service import AgentConn, new_request_id
+from bastion.gateway.service import AgentConn, Case, new_request_id
 from tests.unit.fakes import (
     PASSPHRASE,
     FakeGateway,
@@ -102,9 +102,8 @@ class Rig:
             new_request_id(), conn.host, conn.user, command, conn.peer.subject.key, None,
             Channel.EXEC, None,
         )  # fmt: skip
-        coro = self.life.service.handle(
-            conn, req, None, req.request_id, tell=self.told.append, wait_line=wait_line
-        )
+        case = Case(conn, req, None, req.request_id, tell=self.told.append, wait_line=wait_line)
+        coro = self.life.service.handle(case)
         return asyncio.ensure_future(coro)
 
     async def card(self) -> Any:
@@ -171,7 +170,7 @@ async def test_a_writer_that_fails_does_not_fail_the_request() -> None:
         Channel.EXEC, None,
     )  # fmt: skip
     task = asyncio.ensure_future(
-        rig.life.service.handle(conn, req, None, req.request_id, tell=broken)
+        rig.life.service.handle(Case(conn, req, None, req.request_id, tell=broken))
     )
     rig.life.authority.answer((await rig.card()).id, True)
     await rig.finish(task)
