@@ -103,7 +103,7 @@ def target(row: Mapping[str, Any]) -> str:
 
 def grant_part(grant: object) -> str | None:
     """A bounded grant: on an activity row the id of the grant a use came from (the
-    journal names only it); on a session row the grant itself (`Grant.as_json`: its
+    journal names only it); on a session row the grant itself (`BoundedGrant.as_json`: its
     pattern and the uses left)."""
     if isinstance(grant, str):
         return escape_text(f"grant {grant}")

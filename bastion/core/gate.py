@@ -30,7 +30,7 @@ journal and the witness (`World`). The checks run in the contract's order
 5. the policy: unavailable, host, account, command, a terminal on an account
    without `pty`, a certificate nobody can sign, an action whose last attempt
    ended unknown;
-6. the subject exited; no session grant valid now asks a session card,
+6. the subject exited; no session valid now asks a session card,
 7. and a per-command account with no grant for these exact bytes a command
    card -- unless a bounded grant of this session covers the argv (`core/grants`:
    no shell source, no terminal, stdin read and empty), which dispatches once its
@@ -67,7 +67,7 @@ from bastion.core.files import (
     needs_file_card,
     op_problem,
 )
-from bastion.core.grants import Grant
+from bastion.core.grants import BoundedGrant
 from bastion.core.opguard import Operator
 from bastion.core.policy import (
     Account,
@@ -107,7 +107,7 @@ class CardEnding(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SessionGrant:
+class Session:
     """A person allowed one subject to use one policy entry, for the life of
     that process, in one gateway lifetime and one vault epoch."""
 
@@ -124,7 +124,7 @@ class SessionGrant:
 
 @dataclass(frozen=True)
 class CommandGrant:
-    """A person allowed one exact command, once, under one session grant: the
+    """A person allowed one exact command, once, under one session: the
     binding is the one the card showed (`core/binding`)."""
 
     id: str
@@ -189,7 +189,7 @@ class World:
     boot_id: str
     policy: Policy | PolicyError
     subject_alive: bool
-    session: SessionGrant | None  # the grant recorded for (subject, host, user), if any
+    session: Session | None  # the grant recorded for (subject, host, user), if any
     ended: EndReason | None  # why the last grant of a matching subject ended
     command_grant: CommandGrant | None  # the grant this request's command card produced
     now: float
@@ -212,10 +212,11 @@ class World:
     held_bytes: int = 0  # bytes of per-command uploads its tenant holds for their file cards
     tenant: str = ""  # that tenant, as the agent is told of it
     own_connection: bool | None = None  # later channel: only its client can send (None: unseen)
-    grants: tuple[Grant, ...] = ()  # the live bounded grants of the session found (`core/grants`)
-    # Session grants the subject's process holds under another exec (another image or
+    # The bounded grants of the session found (`core/grants`; `holds` says which are live).
+    grants: tuple[BoundedGrant, ...] = ()
+    # Sessions the subject's process holds under another exec (another image or
     # executable): observed here, ended by `exec_endings`.
-    other_exec: tuple[SessionGrant, ...] = ()
+    other_exec: tuple[Session, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ class AskSession:
 class AskCommand:
     host: Host
     account: Account
-    session: SessionGrant
+    session: Session
     # how the command reads (argv or shell source) and why it asks; a file card's rule
     check: CommandCheck | FileCheck
 
@@ -239,11 +240,11 @@ class AskCommand:
 class Dispatch:
     host: Host
     account: Account
-    session: SessionGrant
+    session: Session
     command_grant: CommandGrant | None
     # A bounded grant covers the command: the service takes one use of it, which is a
     # command grant for these exact bytes, and asks again (`ApprovalBook.use_grant`).
-    grant: Grant | None = None
+    bounded: BoundedGrant | None = None
 
 
 Verdict = Refusal | AskSession | AskCommand | Dispatch
@@ -297,13 +298,13 @@ def validate_command(command: bytes) -> str | None:
     return None
 
 
-def session_problem(grant: SessionGrant, world: World, digest: str) -> EndReason | None:
-    """Why a recorded session grant does not hold in this world, if it does not."""
-    if grant.boot_id != world.boot_id:
+def session_problem(session: Session, world: World, digest: str) -> EndReason | None:
+    """Why a recorded session session does not hold in this world, if it does not."""
+    if session.boot_id != world.boot_id:
         return EndReason.GATEWAY_RESTARTED
-    if grant.vault_epoch != world.vault_epoch:
+    if session.vault_epoch != world.vault_epoch:
         return EndReason.VAULT_STATE_CHANGED
-    if grant.entry_digest != digest:
+    if session.entry_digest != digest:
         return EndReason.POLICY_CHANGED
     return None
 
@@ -313,7 +314,7 @@ def command_grant_holds(
     req: Request,
     host: Host,
     account: Account,
-    session: SessionGrant,
+    session: Session,
     now: float,
 ) -> bool:
     """A per-command grant covers exactly one command, on one host, as one
@@ -477,7 +478,7 @@ def file_resolved(account: Account, op: FileOp, found: tuple[Resolution, ...]) -
 
 
 def exec_endings(world: World) -> tuple[str, ...]:
-    """The session grants an exec ends: the same process in another exec is not what
+    """The sessions an exec ends: the same process in another exec is not what
     was approved, so every grant it holds under the old one ends, for every entry, as
     `process_changed` -- unless this entry already has a grant of the new exec. The
     service carries the ending out; building the world never does."""
@@ -645,7 +646,7 @@ def evaluate(req: Request, world: World) -> Verdict:
             "outcome: it may or may not have run. Inspect the target; to send it anyway, "
             f"repeat with SetEnv BASTION_ACK_UNKNOWN=1. {NOT_SENT}",
         )
-    # 6. A live subject, and a session grant valid in this lifetime, epoch and policy
+    # 6. A live subject, and a session valid in this lifetime, epoch and policy
     # entry; before any card, the tenant's cap on waiting cards.
     digest = entry_digest(host, account)
     if not world.subject_alive:
@@ -680,9 +681,9 @@ def grant_covering(
     world: World,
     account: Account,
     check: CommandCheck | FileCheck,
-    session: SessionGrant,
+    session: Session,
     digest: str,
-) -> Grant | None:
+) -> BoundedGrant | None:
     """The first live bounded grant that covers this request, or None. Only an exec's
     argv on an account with `grants = true`, bound to this very session, subject,
     entry, lifetime and epoch; never with a terminal, never with stdin bytes (a stdin

@@ -13,7 +13,7 @@ pattern spells it, as the card's own word. The first word (the program) and the
 card's options stay literal (`why_literal`). Shell source has no argv and is
 never granted.
 
-A grant is bound like the session it extends (`SessionGrant`): the subject key
+A grant is bound like the session it extends (`Session`): the subject key
 (the run, or the one process in one exec), host, account, gateway lifetime,
 vault epoch and policy entry digest, and it ends with that session. It only
 replaces the card: a command it covers still passes every earlier step of the
@@ -93,7 +93,7 @@ class Bound:
 
 
 @dataclass(frozen=True)
-class Grant:
+class BoundedGrant:
     """A live bounded grant, as the book keeps it and the gate reads it."""
 
     id: str

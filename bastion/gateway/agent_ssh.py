@@ -86,7 +86,7 @@ OVER_CAP_PATIENCE = 8  # refusals per tenant that wait for it at once; later one
 MAX_CONVERSATION = 256
 MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
 LOCAL_CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]
-MAX_EXTRA_SESSIONS = 8  # answered per connection; beyond, a channel is refused at open
+MAX_EXTRA_CHANNELS = 8  # answered per connection; beyond, a channel is refused at open
 ACCEPT_RETRY = (0.05, 1.0)  # seconds: first and longest pause after a failed accept
 # accept errors that concern one connection only: retried at once
 _ONE_CONNECTION_LOST = {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN}
@@ -372,8 +372,8 @@ class _AgentSSH(asyncssh.SSHServer):
         self.conn = conn
         self.closed = closed  # closes `conn` to the service, once
         self.ssh_user = ""
-        self.sessions = 0
-        self.refused_sessions = 0  # later channels not known to come from the run
+        self.channels = 0
+        self.refused_channels = 0  # later channels not known to come from the run
         self._ssh: asyncssh.SSHServerConnection | None = None
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
@@ -400,14 +400,14 @@ class _AgentSSH(asyncssh.SSHServer):
         heard the confirmation gets no command sent (OpenSSH ends that session), and
         one still connected is seen."""
         assert self._ssh is not None
-        self.sessions += 1
-        extra = self.sessions > 1
+        self.channels += 1
+        extra = self.channels > 1
         mux = self._mux_view(extra)
         own = self.service.edges.own_connection(self.conn.peer) if extra else None
         opened = Opened(mux, own)
         if extra and own is not True and (mux is None or mux.in_run is not True):
-            self.refused_sessions += 1
-            if self.refused_sessions > MAX_EXTRA_SESSIONS:
+            self.refused_channels += 1
+            if self.refused_channels > MAX_EXTRA_CHANNELS:
                 raise asyncssh.ChannelOpenError(
                     asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, ONE_COMMAND
                 )

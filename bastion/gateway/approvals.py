@@ -25,8 +25,8 @@ from bastion.core.binding import Binding
 from bastion.core.cards import Card, Withdrawal
 from bastion.core.defaults import COMMAND_TTL
 from bastion.core.errors import BastionError
-from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, SessionGrant
-from bastion.core.grants import Grant, GrantEnd, GrantError, parse_bound, parse_grant
+from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, Session
+from bastion.core.grants import BoundedGrant, GrantEnd, GrantError, parse_bound, parse_grant
 from bastion.core.opguard import Operator
 from bastion.core.subject import Subject, SubjectKey
 
@@ -56,7 +56,7 @@ class _Open:
 
 @dataclass
 class _Live:
-    grant: SessionGrant
+    session: Session
     subject: Subject
     conversation: str | None
 
@@ -99,8 +99,8 @@ class ApprovalBook:
     boot_id: str
     command_ttl: float = COMMAND_TTL  # how long an approved command may wait to be sent
     clock: Callable[[], float] = time.time
-    # A session grant began (reason None) or ended (with its reason).
-    on_session: Callable[[SessionGrant, Subject, EndReason | None], None] | None = None
+    # A session began (reason None) or ended (with its reason).
+    on_session: Callable[[Session, Subject, EndReason | None], None] | None = None
     # A card opened (None), or closed: its ending, and why if it was withdrawn.
     on_card: Callable[[Card, CardEnding | None, Withdrawal | None], None] | None = None
     _cards: dict[str, _Open] = field(default_factory=dict)
@@ -110,8 +110,8 @@ class ApprovalBook:
     _withdrawn: dict[str, Withdrawal] = field(default_factory=dict)  # card id -> why, until read
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     # A bounded grant was made (reason None) or ended (its session's reason, or its own).
-    on_grant: Callable[[Grant, EndReason | GrantEnd | None], None] | None = None
-    _grants: dict[str, Grant] = field(default_factory=dict)  # grant id -> bounded grant
+    on_grant: Callable[[BoundedGrant, EndReason | GrantEnd | None], None] | None = None
+    _grants: dict[str, BoundedGrant] = field(default_factory=dict)  # grant id -> bounded grant
 
     # -- cards -----------------------------------------------------------------
 
@@ -177,12 +177,12 @@ class ApprovalBook:
         if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
             self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED)
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
-        made: Grant | None = None
+        made: BoundedGrant | None = None
         if grant is not None:
             made = self._check_grant(card, approve, grant)
         if approve:
             if card.kind is CardKind.SESSION:
-                self._grant_session(card, by)
+                self._open_session(card, by)
             else:
                 self._grant_command(card)
         if made is not None:
@@ -210,11 +210,11 @@ class ApprovalBook:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    # -- session grants ----------------------------------------------------------
+    # -- sessions ----------------------------------------------------------
 
-    def _grant_session(self, card: Card, by: Operator | None = None) -> SessionGrant:
+    def _open_session(self, card: Card, by: Operator | None = None) -> Session:
         user = card.binding.user
-        grant = SessionGrant(
+        session = Session(
             id="ses_" + secrets.token_hex(6),
             subject_key=card.subject.key,
             host=card.host,
@@ -226,51 +226,51 @@ class ApprovalBook:
             approved_by=by,
         )
         self._sessions[(card.subject.key, card.host.lower(), user)] = _Live(
-            grant, card.subject, card.conversation
+            session, card.subject, card.conversation
         )
         self._ended.pop(_match_key(card.subject, card.conversation, card.host, user), None)
         if self.on_session is not None:
-            self.on_session(grant, card.subject, None)
-        return grant
+            self.on_session(session, card.subject, None)
+        return session
 
     def session_for(
         self, subject: Subject, host: str, user: str, conversation: str | None
-    ) -> tuple[SessionGrant | None, EndReason | None]:
+    ) -> tuple[Session | None, EndReason | None]:
         """The live grant for this subject and entry, else why a matching one ended.
         Only reads: what an exec ends is the gate's to say (`gate.exec_endings`)."""
         live = self._sessions.get((subject.key, host.lower(), user))
         if live is not None:
-            return live.grant, None
+            return live.session, None
         return None, self._ended.get(_match_key(subject, conversation, host, user))
 
-    def other_exec(self, subject: Subject) -> tuple[SessionGrant, ...]:
+    def other_exec(self, subject: Subject) -> tuple[Session, ...]:
         """The grants `subject`'s process holds under another exec than its own."""
         return tuple(
-            old.grant
+            old.session
             for old in self._sessions.values()
-            if old.grant.subject_key.process == subject.process_key
-            and old.grant.subject_key != subject.key
+            if old.session.subject_key.process == subject.process_key
+            and old.session.subject_key != subject.key
         )
 
     def end_for_exec(self, subject: Subject, ids: tuple[str, ...]) -> None:
         """End the grants `ids` that `subject`'s process held under its old exec, as
         `process_changed`; its next card for each of their entries says why."""
-        stale = [live for live in self._sessions.values() if live.grant.id in ids]
+        stale = [live for live in self._sessions.values() if live.session.id in ids]
         self.end_sessions(lambda g: g.id in ids, EndReason.PROCESS_CHANGED)
         for old in stale:
-            key = _match_key(subject, old.conversation, old.grant.host, old.grant.user)
+            key = _match_key(subject, old.conversation, old.session.host, old.session.user)
             self._remember(key, EndReason.PROCESS_CHANGED)
 
-    def sessions(self) -> list[tuple[SessionGrant, Subject]]:
-        return [(live.grant, live.subject) for live in self._sessions.values()]
+    def sessions(self) -> list[tuple[Session, Subject]]:
+        return [(live.session, live.subject) for live in self._sessions.values()]
 
-    def end_sessions(self, pred: Callable[[SessionGrant], bool], reason: EndReason) -> list[str]:
+    def end_sessions(self, pred: Callable[[Session], bool], reason: EndReason) -> list[str]:
         """End every grant matching `pred`, remembering why for the next card."""
         ended: list[str] = []
         for key, live in list(self._sessions.items()):
-            if pred(live.grant):
+            if pred(live.session):
                 del self._sessions[key]
-                g = live.grant
+                g = live.session
                 self._remember(_match_key(live.subject, live.conversation, g.host, g.user), reason)
                 ended.append(g.id)
                 self._command_grants = {
@@ -285,7 +285,7 @@ class ApprovalBook:
         """What a later gateway lifetime needs to say `gateway_restarted`."""
         return sorted(
             {
-                _match_key(live.subject, live.conversation, live.grant.host, live.grant.user)
+                _match_key(live.subject, live.conversation, live.session.host, live.session.user)
                 for live in self._sessions.values()
             }
         )
@@ -324,25 +324,26 @@ class ApprovalBook:
         self._command_grants[card.id] = grant
         return grant
 
-    def command_grant(self, card_id: str | None) -> CommandGrant | None:
-        """The grant a command card produced, as it stands now (used or not)."""
-        return self._command_grants.get(card_id) if card_id else None
+    def command_grant(self, key: str | None) -> CommandGrant | None:
+        """The command grant held under `key` (a command card's id, or a bounded
+        grant's use: `use_grant`), as it stands now (used or not)."""
+        return self._command_grants.get(key) if key else None
 
-    def consume(self, card_id: str) -> CommandGrant:
+    def consume(self, key: str) -> CommandGrant:
         """Mark a command grant used -- in the final check, before the exec request
         leaves, so the gate itself refuses it to anything that asks again."""
-        used = replace(self._command_grants[card_id], used=True)
-        self._command_grants[card_id] = used
+        used = replace(self._command_grants[key], used=True)
+        self._command_grants[key] = used
         return used
 
-    def discard_command_grant(self, card_id: str | None) -> None:
+    def discard_command_grant(self, key: str | None) -> None:
         """The request that asked for it is over: used or not, it is gone."""
-        if card_id:
-            self._command_grants.pop(card_id, None)
+        if key:
+            self._command_grants.pop(key, None)
 
     # -- bounded grants ----------------------------------------------------------
 
-    def _check_grant(self, card: Card, approve: bool, ask: GrantAsk) -> Grant:
+    def _check_grant(self, card: Card, approve: bool, ask: GrantAsk) -> BoundedGrant:
         """The grant a yes to this card would make, or why none can be (`GrantError`):
         only with a yes, only on a command card of an account with `grants = true`
         whose command is argv (no shell source, no file, no terminal)."""
@@ -359,7 +360,7 @@ class ApprovalBook:
         bound = parse_bound(ask.uses, ask.minutes)
         assert card.session_id is not None
         now = self.clock()
-        return Grant(
+        return BoundedGrant(
             id="grt_" + secrets.token_hex(6),
             card_id=card.id,
             session_id=card.session_id,
@@ -375,16 +376,16 @@ class ApprovalBook:
             made_at=now,
         )
 
-    def grant_of_card(self, card_id: str) -> Grant | None:
+    def grant_of_card(self, card_id: str) -> BoundedGrant | None:
         """The live bounded grant a yes to this card made, if any."""
         return next((g for g in self._grants.values() if g.card_id == card_id), None)
 
-    def grants_for(self, session_id: str) -> tuple[Grant, ...]:
+    def grants_for(self, session_id: str) -> tuple[BoundedGrant, ...]:
         """The bounded grants of one session, oldest first. Only reads: one used up or
         expired is listed until `end_spent_grants` ends it (the gate holds to `live`)."""
         return tuple(g for g in self._grants.values() if g.session_id == session_id)
 
-    def grants(self) -> list[Grant]:
+    def grants(self) -> list[BoundedGrant]:
         """Every live bounded grant (`bastion sessions`)."""
         self.end_spent_grants()
         return list(self._grants.values())
@@ -414,7 +415,7 @@ class ApprovalBook:
         return key
 
     def end_spent_grants(self) -> None:
-        """End, and journal, every bounded grant core says is spent (`Grant.end_reason`:
+        """End, and journal, every bounded grant core says is spent (`BoundedGrant.end_reason`:
         used up or expired)."""
         now = self.clock()
         for grant in list(self._grants.values()):
@@ -422,7 +423,9 @@ class ApprovalBook:
             if why is not None:
                 self._end_grants(lambda g, gid=grant.id: g.id == gid, why)
 
-    def _end_grants(self, pred: Callable[[Grant], bool], reason: EndReason | GrantEnd) -> None:
+    def _end_grants(
+        self, pred: Callable[[BoundedGrant], bool], reason: EndReason | GrantEnd
+    ) -> None:
         for grant in [g for g in self._grants.values() if pred(g)]:
             del self._grants[grant.id]
             if self.on_grant is not None:

@@ -38,7 +38,8 @@ class Intent:
     request_id: str
     session_id: str
     final_check: Callable[[], Refusal | None]  # the gate, asked again in the world as it is now
-    grant: tuple[ApprovalBook, str | None]  # the book, and the command card whose grant is spent
+    # The book, and the key of the command grant spent (`Decided.command_key`), if any.
+    command: tuple[ApprovalBook, str | None]
     sent: Callable[[], None]  # the command is now in flight
     recorder: Recorder
     witnessed: Callable[[int], Awaitable[str | None]] | None = None
@@ -88,9 +89,9 @@ class Intent:
     def __call__(self) -> None:
         """Immediately before the exec request is written, with no await in between."""
         self._ready()
-        book, card = self.grant
-        if card is not None:
-            book.consume(card)  # single use, marked before it is sent
+        book, key = self.command
+        if key is not None:
+            book.consume(key)  # single use, marked before it is sent
         if not self.written:
             self._write()
         self.sent()

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from bastion.core.cards import Card, Withdrawal
 from bastion.core.contract import Failure
 from bastion.core.events import EventType, Result, foreign_warning
-from bastion.core.gate import CardEnding, EndReason, Request, SessionGrant
-from bastion.core.grants import Grant, GrantEnd
+from bastion.core.gate import CardEnding, EndReason, Request, Session
+from bastion.core.grants import BoundedGrant, GrantEnd
 from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, Subject
 from bastion.journal import Identity, JournalError, Record
@@ -261,24 +261,24 @@ class Recorder:
             self.record(EventType.CARD_CLOSED, {**meta, "answer": answer.value, **withdrawn})
             self.publish({"event": "closed", "card": card.id, "answer": answer.value, **withdrawn})
 
-    def session(self, grant: SessionGrant, subject: Subject, reason: EndReason | None) -> None:
+    def session(self, session: Session, subject: Subject, reason: EndReason | None) -> None:
         if reason is None:
             self.record(
                 EventType.SESSION_APPROVED,
-                {"session_id": grant.id},
+                {"session_id": session.id},
                 {
-                    "host": grant.host,
-                    "user": grant.user,
+                    "host": session.host,
+                    "user": session.user,
                     "subject": subject.as_json(),
-                    "vault_epoch": grant.vault_epoch,
-                    "entry_digest": grant.entry_digest,
+                    "vault_epoch": session.vault_epoch,
+                    "entry_digest": session.entry_digest,
                 }
-                | ({"approved_by": grant.approved_by.as_json()} if grant.approved_by else {}),
+                | ({"approved_by": session.approved_by.as_json()} if session.approved_by else {}),
             )
         else:
-            self.record(EventType.SESSION_ENDED, {"session_id": grant.id, "reason": reason.value})
+            self.record(EventType.SESSION_ENDED, {"session_id": session.id, "reason": reason.value})
 
-    def grant(self, grant: Grant, reason: EndReason | GrantEnd | None) -> None:
+    def grant(self, grant: BoundedGrant, reason: EndReason | GrantEnd | None) -> None:
         """A bounded grant made (its pattern and bound, and what it is bound to) or
         ended (why)."""
         if reason is None:
@@ -301,7 +301,7 @@ class Recorder:
             self.record(EventType.GRANT_ENDED, {"grant": grant.id, "reason": reason.value})
             self.publish({"event": "grant_ended", "grant": grant.id, "reason": reason.value})
 
-    def grant_used(self, request_id: str, grant: Grant) -> None:
+    def grant_used(self, request_id: str, grant: BoundedGrant) -> None:
         """One use of a bounded grant taken for this request, in place of its card."""
         left = None if grant.uses_left is None else grant.uses_left - 1
         self.record(

@@ -50,7 +50,7 @@ from bastion.core.gate import (
     Dispatch,
     EndReason,
     Request,
-    SessionGrant,
+    Session,
     World,
     after_wait,
     evaluate,
@@ -63,7 +63,7 @@ from bastion.core.gate import (
     rounds_exhausted,
     unanswered,
 )
-from bastion.core.grants import Grant, GrantEnd
+from bastion.core.grants import BoundedGrant, GrantEnd
 from bastion.core.refusals import killed, not_started
 from bastion.core.subject import Peer, Subject, SubjectKind
 from bastion.core.waiting import waiting_line, wanted
@@ -192,12 +192,13 @@ class Case:
 
 @dataclass(frozen=True)
 class Decided:
-    """The gate said dispatch; `command_card` is the card whose grant it used. The case
+    """The gate said dispatch; `command_key` is what its command grant is held under in
+    the book (the command card's id, or the key of a bounded grant's use). The case
     is the one it was decided for: with the stdin read before a command card
     (`request.stdin`), its streams feed exactly those bytes."""
 
     dispatch: Dispatch
-    command_card: str | None
+    command_key: str | None
     case: Case
 
 
@@ -310,12 +311,12 @@ class Service:
 
     # -- the world, as the gate sees it --------------------------------------------------
 
-    def world(self, case: Case, command_card: str | None = None) -> World:
+    def world(self, case: Case, command_key: str | None = None) -> World:
         """Everything the gate may look at, now: each value observed, none judged, and
         nothing changed -- reading the world journals nothing and ends nothing."""
         req, subject = case.request, case.subject
         seen = case.arrival or Arrival(lost=self.recorder.lost)
-        grant, ended = self.book.session_for(subject, req.host, req.user, case.conversation)
+        session, ended = self.book.session_for(subject, req.host, req.user, case.conversation)
         tenant = Tenant.of_subject(subject)
         return World(
             locked=self.vault.locked,
@@ -323,9 +324,9 @@ class Service:
             boot_id=self.boot_id,
             policy=self.policy.seen(),
             subject_alive=self.edges.alive(subject.pid, subject.start_time),
-            session=grant,
+            session=session,
             ended=ended,
-            command_grant=self.book.command_grant(command_card),
+            command_grant=self.book.command_grant(command_key),
             now=self.edges.clock(),
             action_unknown=self.actions.blocking(req.action),
             certify_problem=self.certifier.problem() if self.certifier else NO_ISSUER,
@@ -342,19 +343,19 @@ class Service:
             ),
             held_bytes=self.held[tenant],
             tenant=str(tenant),
-            grants=self.book.grants_for(grant.id) if grant is not None else (),
+            grants=self.book.grants_for(session.id) if session is not None else (),
             other_exec=self.book.other_exec(subject),
         )
 
-    def look(self, case: Case, command_card: str | None = None) -> World:
+    def look(self, case: Case, command_key: str | None = None) -> World:
         """The world, with what reading it must journal or end done around it, not in
         it: the policy read now (`PolicyWatch.current` journals a change before it
-        decides anything), the bounded grants core says are spent (`Grant.end_reason`)
+        decides anything), the bounded grants core says are spent (`BoundedGrant.end_reason`)
         ended; then, once it is read, what the gate says an exec ends (`exec_endings`:
         the grants of the subject's old exec), so the next look finds them ended."""
         self.policy.current()
         self.book.end_spent_grants()
-        world = self.world(case, command_card)
+        world = self.world(case, command_key)
         ending = exec_endings(world)
         if ending:
             self.book.end_for_exec(case.subject, ending)
@@ -387,11 +388,11 @@ class Service:
             ):
                 return await self.dispatch(decided)
         except NoSlot as busy:
-            now = self.look(case, decided.command_card)
+            now = self.look(case, decided.command_key)
             ended = after_wait(case.request, now, no_slot(str(busy)))
             return self._denied(case, ended.failure(case.request.request_id))
         finally:
-            self.book.discard_command_grant(decided.command_card)
+            self.book.discard_command_grant(decided.command_key)
 
     def arrive(self, case: Case) -> Arrival:
         """Journal the request's first record and observe what holds for its life. A
@@ -442,19 +443,19 @@ class Service:
     async def authorize(self, case: Case) -> Decided | Failure:
         """Ask the gate until it says dispatch or no: a card between two asks, the
         stdin read before a command card, one use of a bounded grant."""
-        command_card: str | None = None
+        command_key: str | None = None
         reason: EndReason | None = None
         for _ in range(MAX_ROUNDS + 1):  # + the one round that reads stdin
             req = case.request
-            world = self.look(case, command_card)
+            world = self.look(case, command_key)
             verdict = evaluate(req, world)
-            if isinstance(verdict, Dispatch) and verdict.grant is not None:
+            if isinstance(verdict, Dispatch) and verdict.bounded is not None:
                 # A bounded grant covers it: take one use now, with no await since the
                 # verdict, and ask again with the command grant that use is.
-                command_card = self._use_grant(req, verdict, verdict.grant)
+                command_key = self._use_grant(req, verdict, verdict.bounded)
                 continue
             if isinstance(verdict, Dispatch):
-                return Decided(verdict, command_card, case)
+                return Decided(verdict, command_key, case)
             if isinstance(verdict, Refusal):
                 return verdict.failure(req.request_id, reason)
             if reads_stdin(req, verdict):  # a command card: its stdin first, then ask again
@@ -488,10 +489,10 @@ class Service:
                 refused = unanswered(card.kind, answer, target, reason, self.approval_timeout)
                 return refused.failure(req.request_id)
             if card.kind is CardKind.COMMAND:
-                command_card = card.id
+                command_key = card.id
         return rounds_exhausted().failure(case.request.request_id)
 
-    def _use_grant(self, req: Request, verdict: Dispatch, grant: Grant) -> str | None:
+    def _use_grant(self, req: Request, verdict: Dispatch, grant: BoundedGrant) -> str | None:
         """One use of a bounded grant for this request, journaled with its id: the key
         of the command grant it makes, or None (it ended: the next round asks a card)."""
         binding = request_binding(req, verdict.host, verdict.account)
@@ -548,13 +549,13 @@ class Service:
         flight = InFlight(req.request_id)
 
         def last_word() -> Refusal | None:
-            return final_check(req, self.look(case, decided.command_card), chosen)
+            return final_check(req, self.look(case, decided.command_key), chosen)
 
         intent = Intent(
             req.request_id,
             chosen.session.id,
             last_word,
-            (self.book, decided.command_card),
+            (self.book, decided.command_key),
             lambda: self.inflight.update({req.request_id: flight}),
             self.recorder,
             self.witnessed,
@@ -641,13 +642,11 @@ class Service:
             self.book.note_operator()  # somebody is looking at it right now
         self.recorder.card(card, answer, why)
 
-    def _session_event(
-        self, grant: SessionGrant, subject: Subject, reason: EndReason | None
-    ) -> None:
+    def _session_event(self, session: Session, subject: Subject, reason: EndReason | None) -> None:
         self.on_sessions_changed()
-        self.recorder.session(grant, subject, reason)
+        self.recorder.session(session, subject, reason)
 
-    def _grant_event(self, grant: Grant, reason: EndReason | GrantEnd | None) -> None:
+    def _grant_event(self, grant: BoundedGrant, reason: EndReason | GrantEnd | None) -> None:
         self.recorder.grant(grant, reason)
 
 

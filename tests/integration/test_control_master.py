@@ -25,7 +25,7 @@ import asyncssh
 import pytest
 
 from bastion.agent import proxy
-from bastion.gateway.agent_ssh import MAX_EXTRA_SESSIONS
+from bastion.gateway.agent_ssh import MAX_EXTRA_CHANNELS
 from tests.harness import (
     HELPER,
     Agent,
@@ -204,9 +204,9 @@ async def _sessions(bastion: Bastion, count: int) -> list[object]:
 
 def test_later_sessions_are_answered_then_refused_at_open(bastion: Bastion) -> None:
     outcomes = asyncio.run(
-        asyncio.wait_for(_sessions_on_one_connection(bastion, MAX_EXTRA_SESSIONS + 3), 60)
+        asyncio.wait_for(_sessions_on_one_connection(bastion, MAX_EXTRA_CHANNELS + 3), 60)
     )
-    answered, refused = outcomes[:MAX_EXTRA_SESSIONS], outcomes[MAX_EXTRA_SESSIONS:]
+    answered, refused = outcomes[:MAX_EXTRA_CHANNELS], outcomes[MAX_EXTRA_CHANNELS:]
     for status, stderr in answered:  # type: ignore[misc]
         assert status == 77
         error = json.loads(stderr.strip())["error"]

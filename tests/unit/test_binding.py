@@ -17,7 +17,7 @@ from bastion.core.gate import (
     CardKind,
     CommandGrant,
     Request,
-    SessionGrant,
+    Session,
     World,
     command_grant_holds,
     evaluate,
@@ -50,7 +50,7 @@ SUBJECT = Subject(42, 7.5, "/usr/bin/node", "ab" * 32, 1000, "n1", image="img1")
 PEER = Peer(43, 1000, 1000, (INFO,), SUBJECT)
 COMMAND = b"systemctl restart app"
 DIGEST = hashlib.sha256(COMMAND).hexdigest()
-SESSION = SessionGrant(
+SESSION = Session(
     "ses_1", SUBJECT.key, "web1", "ops", BOOT, EPOCH, entry_digest(HOST, ACCOUNT), 0.0
 )
 
@@ -87,7 +87,7 @@ def request() -> Request:
     return Request("req_1", "web1", "ops", COMMAND, SUBJECT.key)
 
 
-def world(session: SessionGrant | None) -> World:
+def world(session: Session | None) -> World:
     return World(
         locked=False,
         vault_epoch=EPOCH,
@@ -101,7 +101,7 @@ def world(session: SessionGrant | None) -> World:
     )
 
 
-def card(session: SessionGrant | None) -> Card:
+def card(session: Session | None) -> Card:
     verdict = evaluate(request(), world(session))
     assert isinstance(verdict, AskSession | AskCommand)
     return make_card("cc_1", request(), verdict, PEER, None, BOOT, EPOCH, NOW, 60.0)

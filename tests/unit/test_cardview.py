@@ -34,7 +34,7 @@ from bastion.core.gate import (
     AskSession,
     Channel,
     Request,
-    SessionGrant,
+    Session,
     World,
     evaluate,
 )
@@ -120,24 +120,24 @@ PEER = Peer(48211, 1000, 1000, CHAIN, SUBJECT)
 REQ = "req_8c1d2f3a4b5e6071"
 
 
-def _world(session: SessionGrant | None) -> World:
+def _world(session: Session | None) -> World:
     policy = Policy(hosts=HOSTS, digest="d", files=("policy.toml",))
     return World(False, EPOCH, BOOT, policy, True, session, None, None, NOW)
 
 
-SESSION = SessionGrant(
+SESSION = Session(
     "ses_7e3a91c04b2d", SUBJECT.key, "web1", "deploy", BOOT, EPOCH, entry_digest(HOST, ACCOUNT), 0
 )
 
 
 OPS = HOST.account("ops")
 assert OPS is not None
-OPS_SESSION = SessionGrant(
+OPS_SESSION = Session(
     "ses_91d4e2b07a3c", SUBJECT.key, "web1", "ops", BOOT, EPOCH, entry_digest(HOST, OPS), 0
 )
 
 
-def _card(card_id: str, req: Request, session: SessionGrant | None, **kw: Any) -> dict[str, Any]:
+def _card(card_id: str, req: Request, session: Session | None, **kw: Any) -> dict[str, Any]:
     verdict = evaluate(req, _world(session))
     assert isinstance(verdict, AskSession | AskCommand), verdict
     if "reason" in kw and isinstance(verdict, AskSession):

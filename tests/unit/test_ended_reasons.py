@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import replace
 
 from bastion.core.cards import Withdrawal
-from bastion.core.gate import CardEnding, EndReason, SessionGrant
+from bastion.core.gate import CardEnding, EndReason, Session
 from bastion.core.subject import Run, Subject, SubjectKind
 from bastion.gateway.approvals import ENDED_REMEMBERED, ApprovalBook, _Live
 
@@ -23,7 +23,7 @@ def subject(pid: int = 4242, **kw: object) -> Subject:
 
 def ended(book: ApprovalBook, who: Subject, conversation: str | None, reason: EndReason) -> None:
     """`who` held an approval for u@web1, and it ended with `reason`."""
-    grant = SessionGrant(f"ses_{who.pid}", who.key, "web1", "u", "boot", 1, "d", 0.0)
+    grant = Session(f"ses_{who.pid}", who.key, "web1", "u", "boot", 1, "d", 0.0)
     book._sessions[(who.key, "web1", "u")] = _Live(grant, who, conversation)
     assert book.end_sessions(lambda g: g.id == grant.id, reason) == [grant.id]
 
@@ -64,7 +64,7 @@ def test_a_run_is_told_only_of_its_own_approvals() -> None:
 def test_a_restart_is_said_to_the_process_that_outlived_it() -> None:
     first = ApprovalBook("boot_a")
     live = subject(1)
-    grant = SessionGrant("ses_1", live.key, "web1", "u", "boot_a", 1, "d", 0.0)
+    grant = Session("ses_1", live.key, "web1", "u", "boot_a", 1, "d", 0.0)
     first._sessions[(live.key, "web1", "u")] = _Live(grant, live, None)
     second = ApprovalBook("boot_b")
     second.previous_lifetime(first.live_match_keys())

@@ -31,7 +31,7 @@ from bastion.core.gate import (
     CommandGrant,
     Dispatch,
     Request,
-    SessionGrant,
+    Session,
     World,
     evaluate,
     file_resolved,
@@ -202,10 +202,8 @@ def world(**changes: object) -> World:
     return replace(w, **changes)  # type: ignore[arg-type]
 
 
-def session(user: str) -> SessionGrant:
-    return SessionGrant(
-        "ses_1", SUBJECT, "web1", user, "boot", 7, entry_digest(HOST, account(user)), 0
-    )
+def session(user: str) -> Session:
+    return Session("ses_1", SUBJECT, "web1", user, "boot", 7, entry_digest(HOST, account(user)), 0)
 
 
 def req(user: str, op: FileOp) -> Request:

@@ -24,7 +24,7 @@ from bastion.core.gate import (
     Dispatch,
     EndReason,
     Request,
-    SessionGrant,
+    Session,
     World,
     after_wait,
     assess,
@@ -38,7 +38,7 @@ from bastion.core.gate import (
     unwitnessed,
     validate_command,
 )
-from bastion.core.grants import Grant, Pattern
+from bastion.core.grants import BoundedGrant, Pattern
 from bastion.core.policy import (
     Policy,
     PolicyError,
@@ -107,11 +107,11 @@ def request(command: bytes = b"echo hi", user: str = "deploy", host: str = "web1
     return Request("req_1", host, user, command, SUBJECT)
 
 
-def grant(user: str = "deploy", **changes: object) -> SessionGrant:
+def grant(user: str = "deploy", **changes: object) -> Session:
     host = HOSTS["web1"]
     account = host.account(user)
     assert account is not None
-    g = SessionGrant("ses_1", SUBJECT, "web1", user, BOOT, EPOCH, entry_digest(host, account), 0.0)
+    g = Session("ses_1", SUBJECT, "web1", user, BOOT, EPOCH, entry_digest(host, account), 0.0)
     return replace(g, **changes)  # type: ignore[arg-type]
 
 
@@ -193,12 +193,12 @@ GRANT_COMMANDS = {
 }
 
 
-def bounded(user: str = "gr", **changes: object) -> Grant:
+def bounded(user: str = "gr", **changes: object) -> BoundedGrant:
     """A live grant `systemctl restart *` of session ses_1, as `user` on web1."""
     host = HOSTS["web1"]
     account = host.account(user)
     assert account is not None
-    g = Grant(
+    g = BoundedGrant(
         id="grt_1",
         card_id="cc_1",
         session_id="ses_1",
@@ -216,7 +216,7 @@ def bounded(user: str = "gr", **changes: object) -> Grant:
     return replace(g, pattern=Pattern(("systemctl", "restart", None)), **changes)  # type: ignore[arg-type]
 
 
-def grant_case(command: str) -> tuple[bytes, Grant, Stdin | None, Terminal | None, str]:
+def grant_case(command: str) -> tuple[bytes, BoundedGrant, Stdin | None, Terminal | None, str]:
     """(command, grant, stdin, terminal, user) of one `gr_` case."""
     other = {
         "gr_used_up": {"uses_left": 0},
@@ -243,14 +243,14 @@ def grant_case(command: str) -> tuple[bytes, Grant, Stdin | None, Terminal | Non
 def build(locked: bool, policy_ok: bool, session: str, command: str) -> tuple[Request, World]:
     user = "deploy" if command == "session_account" else "ops"
     cmd = b"uptime" if command == "pc_preapproved" else b"echo hi"
-    grants: tuple[Grant, ...] = ()
+    grants: tuple[BoundedGrant, ...] = ()
     stdin: Stdin | None = None
     terminal: Terminal | None = None
     if command.startswith("gr_"):
         cmd, g_one, stdin, terminal, user = grant_case(command)
         grants = (g_one,)
     kind, reason = SESSIONS[session]
-    g: SessionGrant | None = None
+    g: Session | None = None
     ended = reason if kind is None else None
     if kind == "live":
         g = grant(user)
@@ -301,7 +301,7 @@ def test_state_space(locked: bool, policy_ok: bool, session: str, command: str) 
         assert isinstance(verdict, Dispatch) and verdict.command_grant == w.command_grant
     elif command in ("gr_match", "gr_match_silent"):
         assert isinstance(verdict, Dispatch) and verdict.command_grant is None
-        assert verdict.grant == w.grants[0]
+        assert verdict.bounded == w.grants[0]
     else:
         assert isinstance(verdict, AskCommand) and verdict.session == w.session
 

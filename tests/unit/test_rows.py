@@ -93,7 +93,7 @@ def test_a_file_operation_shows_its_path() -> None:
 
 
 def test_the_grants_as_the_gateway_and_the_journal_give_them() -> None:
-    """`sessions` rows carry `grants` (`Grant.as_json`: pattern, uses_left); an activity
+    """`sessions` rows carry `grants` (`BoundedGrant.as_json`: pattern, uses_left); an activity
     row the id of the grant its use came from (`dispatch_started`'s meta)."""
     made = {"id": "grt_9", "pattern": "echo restart *", "uses_left": 1, "expires_at": None}
     live = {"id": "ses_1", "user": "u", "host": "web1", "approved_at": NOW, "grants": [made]}

@@ -80,8 +80,8 @@ def test_gateway_restarted_is_said_to_the_same_run_and_not_to_the_same_executabl
     nonce, hears `gateway_restarted`; another run of the same program does not."""
     first = ApprovalBook("boot_a")
     live = subject(run=RUN)
-    first._sessions[(live.key, "web1", "u")] = type(  # a live grant, as _grant_session keeps
-        "L", (), {"subject": live, "conversation": None, "grant": _Grant("web1", "u")}
+    first._sessions[(live.key, "web1", "u")] = type(  # a live session, as _open_session keeps
+        "L", (), {"subject": live, "conversation": None, "session": _Grant("web1", "u")}
     )()
     keys = first.live_match_keys()
     second = ApprovalBook("boot_b")
