@@ -480,3 +480,81 @@ async def test_building_the_world_journals_nothing_and_ends_nothing() -> None:
     service.look(case)
     assert rig.life.book.sessions() == []
     assert rig.journal.of(EventType.SESSION_ENDED)[-1].meta["reason"] == "process_changed"
+
+
+# -- one word per idea ------------------------------------------------------------------------
+
+GLOSSARY = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def banned_words() -> dict[str, str]:
+    """Each identifier the glossary bans (`*Not in code:* `X`, `Y`.`), with its entry."""
+    text = GLOSSARY.read_text().split("\n## Glossary\n", 1)[1]
+    banned = {}
+    for entry in text.split("\n- **")[1:]:
+        term = entry.split("**", 1)[0]
+        for clause in entry.replace("\n", " ").split("*Not in code:*")[1:]:
+            for word in clause.split(".", 1)[0].split("`")[1::2]:
+                banned[word] = term
+    return banned
+
+
+def identifiers(tree: ast.AST) -> list[tuple[str, int]]:
+    """Every name the code gives or uses: classes, functions, arguments, variables,
+    attributes, imported names and keyword arguments."""
+    found = []
+    for node in ast.walk(tree):
+        names: list[str | None] = []
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names = [node.name]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.name.rsplit(".", 1)[-1], node.asname]
+        elif isinstance(node, ast.keyword):
+            names = [node.arg]
+        found += [(n, getattr(node, "lineno", 0)) for n in names if n]
+    return found
+
+
+def test_the_glossary_bans_words() -> None:
+    """The list is read from the glossary; a glossary that lost it would pass vacuously."""
+    banned = banned_words()
+    assert {"SessionGrant", "Grant", "Answer", "Deny", "refused_sessions"} <= set(banned)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_identifier_is_a_word_the_glossary_bans(name: str) -> None:
+    banned = banned_words()
+    for word, line in identifiers(ast.parse(MODULES[name].read_text())):
+        assert word not in banned, (
+            f"{MODULES[name]}:{line}: `{word}` -- the glossary's word is **{banned[word]}**"
+        )
+
+
+def test_the_identifier_rule_sees_each_way_to_name() -> None:
+    """The control: a class, an argument, an attribute, a keyword and an import."""
+    source = (
+        "from x import SessionGrant\nclass Grant: ...\ndef f(refused_sessions): ...\n"
+        "a.Answer\ng(Deny=1)\n"
+    )
+    banned = banned_words()
+    assert sorted({w for w, _ in identifiers(ast.parse(source))} & set(banned)) == [
+        "Answer", "Deny", "Grant", "SessionGrant", "refused_sessions",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_logger_is_named_after_its_module(name: str) -> None:
+    """`bastion.agent` inside the gateway named the wrong room; `__name__` cannot."""
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger":
+            (arg,) = node.args or [ast.Constant("")]
+            literal = isinstance(arg, ast.Constant) and str(arg.value)
+            assert not (literal is not False and literal.startswith("bastion")), (
+                f"{MODULES[name]}:{node.lineno}: getLogger({literal!r}); use __name__"
+            )
