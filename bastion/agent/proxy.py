@@ -33,29 +33,11 @@ import sys
 # this file's folder is not on sys.path: it is appended (after the standard library,
 # so nothing there can shadow a module this helper loads later).
 if __package__:
-    from bastion.agent.wire import (
-        ENDINGS,
-        GATEWAY_BUSY,
-        INTERNAL,
-        MAX_HEADER,
-        REPLY_TIMEOUT,
-        UNSUPPORTED_REQUEST,
-        header,
-        read_refusal,
-    )
+    import bastion.agent.wire as wire
 else:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
     try:
-        from wire import (  # type: ignore[no-redef]
-            ENDINGS,
-            GATEWAY_BUSY,
-            INTERNAL,
-            MAX_HEADER,
-            REPLY_TIMEOUT,
-            UNSUPPORTED_REQUEST,
-            header,
-            read_refusal,
-        )
+        import wire  # type: ignore[no-redef]
     except ImportError:  # a copy of this file alone: say so in the agent-facing shape
         where = os.path.dirname(os.path.abspath(__file__))
         sys.stderr.write(
@@ -159,7 +141,7 @@ def parent_ssh_argv() -> list[str] | None:
     return [w.decode("utf-8", "surrogateescape") for w in raw.split(b"\0")[:-1]]
 
 
-def fail(message: str, ending: tuple[str, int, bool] = INTERNAL) -> int:
+def fail(message: str, ending: tuple[str, int, bool] = wire.INTERNAL) -> int:
     """Tell the agent, in the agent-facing error shape, why no SSH session could even start."""
     code, status, retryable = ending
     error = {
@@ -193,9 +175,9 @@ def connect(sock: _socket.socket, path: str, timeout: float) -> None:
 def read_reply(sock: _socket.socket) -> bytes:
     """Read the daemon's one-line answer and not one byte more: the SSH
     banner follows at once on the same socket, and it belongs to ssh."""
-    sock.settimeout(REPLY_TIMEOUT)
+    sock.settimeout(wire.REPLY_TIMEOUT)
     data = bytearray()
-    while len(data) < MAX_HEADER:
+    while len(data) < wire.MAX_HEADER:
         byte = sock.recv(1)
         if not byte:
             break
@@ -244,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = parent_ssh_argv()
     problem = ssh_problem(argv) if argv is not None else None
     if problem is not None:
-        return fail(problem, UNSUPPORTED_REQUEST)
-    line = header(host, port, user)
-    if len(line) > MAX_HEADER:
+        return fail(problem, wire.UNSUPPORTED_REQUEST)
+    line = wire.header(host, port, user)
+    if len(line) > wire.MAX_HEADER:
         return fail("The host or user name is too long.")
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        connect(sock, sock_path, REPLY_TIMEOUT)
+        connect(sock, sock_path, wire.REPLY_TIMEOUT)
         # The gateway may refuse before reading (a per-uid cap): its ERR line still waits.
         try:  # noqa: SIM105 (contextlib: an import this helper does without)
             sock.sendall(line)
@@ -269,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (TimeoutError, BlockingIOError):  # no answer, or a queue full as long (EAGAIN)
         return fail(
-            f"The bastion gateway at {sock_path} did not answer within {REPLY_TIMEOUT:g} s "
+            f"The bastion gateway at {sock_path} did not answer within {wire.REPLY_TIMEOUT:g} s "
             "(it is overloaded or stuck); retry in a moment, and if it persists ask the "
             "operator to check `bastion status`.",
-            GATEWAY_BUSY,
+            wire.GATEWAY_BUSY,
         )
     except OSError as exc:
         return fail(
@@ -280,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             "ask the operator to check `bastion status`."
         )
     if not reply.startswith(b"OK"):
-        code, text = read_refusal(reply)
-        ending = ENDINGS.get(code or "", INTERNAL)
+        code, text = wire.read_refusal(reply)
+        ending = wire.ENDINGS.get(code or "", wire.INTERNAL)
         return fail(f"The bastion gateway refused the connection: {text or 'no reply'}.", ending)
     if stat.S_ISSOCK(os.fstat(1).st_mode):
         # ProxyUseFdpass (ssh gives us a socketpair, not pipes): hand ssh the

@@ -136,7 +136,7 @@ def test_every_ending_before_ssh_is_a_contract_line_with_a_sentence(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     gateway, code, says = CASES[case]
-    monkeypatch.setattr(proxy, "REPLY_TIMEOUT", 0.5)
+    monkeypatch.setattr(wire, "REPLY_TIMEOUT", 0.5)
     path = tmp_path / "agent.sock"
     ended: list[int] = []
     with gateway(path):
