@@ -34,6 +34,11 @@ run without a witness the operator asked for. A missing file means defaults
     timeout = 10             # seconds one signing may take before the request fails
     # The token or AppRole secret is never in this file: `bastion ca openbao-login`
     # seals it in the vault.
+
+    [console]                # the browser console (docs/approving.md, "The console")
+    enabled = false          # off unless true: served on loopback only
+    port = 7433              # http://localhost:PORT/ (the WebAuthn rpId is "localhost")
+    session_minutes = 720    # a console login lasts this long (or until the vault locks)
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ EXPORT_KEYS = ("with_commands",)
 LIMITS_KEYS = ("inflight", "queue_wait")
 CA_KEYS = ("backend", "address", "mount", "role", "approle_mount", "tls_ca", "timeout")
 CA_BACKENDS = ("vault", "openbao")
+CONSOLE_KEYS = ("enabled", "port", "session_minutes")
+CONSOLE_PORT = 7433
 WHEN_FULL = ("continue", "refuse")
 
 
@@ -103,11 +110,37 @@ class CaConfig:
 
 
 @dataclass(frozen=True)
+class ConsoleConfig:
+    """The browser console: off unless enabled; always on loopback."""
+
+    enabled: bool = False
+    port: int = CONSOLE_PORT
+    session_minutes: int = 720
+
+    @property
+    def approve_where(self) -> str:
+        """Where a presence card is approved, for an answer that cannot approve it."""
+        if self.enabled:
+            return f"{self.origin}/, `bastion console` opens it"
+        return (
+            "the console is off: set [console] enabled = true in bastion.toml, restart the "
+            "gateway, enroll with `bastion operator enroll`, then `bastion console`"
+        )
+
+    @property
+    def origin(self) -> str:
+        """What the browser calls the console's page: WebAuthn needs a name, not an
+        address (an IP is no rpId), and `localhost` is a secure context over http."""
+        return f"http://localhost:{self.port}"
+
+
+@dataclass(frozen=True)
 class Config:
     witness: WitnessConfig = WitnessConfig()
     export_with_commands: bool = False
     limits: Limits = Limits()
     ca: CaConfig = CaConfig()
+    console: ConsoleConfig = ConsoleConfig()
 
 
 def _unknown(table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -139,7 +172,7 @@ def parse_config(text: str, source: str) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    _unknown(data, ("witness", "export", "limits", "ca"), source)
+    _unknown(data, ("witness", "export", "limits", "ca", "console"), source)
     raw = data.get("witness", {})
     if not isinstance(raw, dict):
         raise ConfigError(f'{source}: "witness" must be a table: [witness]')
@@ -172,7 +205,30 @@ def parse_config(text: str, source: str) -> Config:
         buffer_max=buffer_max,
         when_full=when_full,
     )
-    return Config(witness, with_commands, limits, _ca(data.get("ca", {}), source))
+    return Config(
+        witness,
+        with_commands,
+        limits,
+        _ca(data.get("ca", {}), source),
+        _console(data.get("console", {}), source),
+    )
+
+
+def _console(raw: object, source: str) -> ConsoleConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{source}: "console" must be a table: [console]')
+    where = f"{source}: [console]"
+    _unknown(raw, CONSOLE_KEYS, where)
+    enabled = raw.get("enabled", False)
+    if type(enabled) is not bool:
+        raise ConfigError(f'{where}: "enabled" must be true or false')
+    port = raw.get("port", CONSOLE_PORT)
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise ConfigError(f'{where}: "port" must be a TCP port, 1 to 65535')
+    minutes = raw.get("session_minutes", 720)
+    if type(minutes) is not int or not 1 <= minutes <= 10080:
+        raise ConfigError(f'{where}: "session_minutes" must be a whole number, 1 to 10080')
+    return ConsoleConfig(enabled, port, minutes)
 
 
 def _ca(raw: object, source: str) -> CaConfig:

@@ -4,7 +4,8 @@ A test's tier is its folder: `tests/unit` (pure parts and fakes, no sshd,
 seconds), `tests/integration` (the real ssh client, a real sshd, real
 gateways), `tests/container` (the same against sshd in a podman container),
 `tests/clients` (third-party clients -- paramiko, fabric, rsync, git -- through
-real gateways).
+real gateways), `tests/browser` (the console in a real headless Chromium, with its
+virtual authenticator, over real gateways).
 Each test gets the marker of its folder, so `pytest -m unit` runs one tier.
 Shared helpers live in `tests/harness.py`; tests never import each other.
 """
@@ -22,7 +23,7 @@ import pytest
 from bastion.devtools.sshd_fixture import Sshd, SshdInfo, sshd_available
 from tests.harness import Bastion, make_bastion, release_copies
 
-TIERS = ("unit", "integration", "container", "clients")
+TIERS = ("unit", "integration", "container", "clients", "browser")
 
 # The vault's key derivation costs about 0.8 s and 512 MiB in production; the tests
 # create hundreds of vaults. Every subprocess (bastion init, unlock, the daemon)

@@ -27,6 +27,7 @@ from bastion.cli.common import (
     width_option,
 )
 from bastion.cli.export import export
+from bastion.core.events import ActivityFilter
 from bastion.ops import opsock
 
 
@@ -243,7 +244,7 @@ def audit_activity(
     """One row per request: when it was received, who asked (the run's label, or the
     process), user@host, how it ended (outcome, code, exit status) and the command,
     escaped and cut to the width. --json keeps every field of each row it shows."""
-    keep = rows.ActivityFilter(
+    keep = ActivityFilter(
         hosts=frozenset(h.strip().lower() for hs in hosts for h in hs.split(",") if h.strip()),
         run=run_label,
         since=since,

@@ -55,6 +55,8 @@ ELSEWHERE = {
     "doctor": "bastion.cli.doctor:doctor",
     "service": "bastion.cli.service:service",
     "completion": "bastion.cli.completion:completion",
+    "operator": "bastion.cli.presence:operator",
+    "console": "bastion.cli.presence:console",
 }
 
 

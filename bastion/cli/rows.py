@@ -19,7 +19,6 @@ import re
 import time
 import unicodedata
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from bastion.core.display import escape_command, escape_text
@@ -286,57 +285,6 @@ def pending_rows(
 
 def pending_row(card: Mapping[str, Any], width: int | None, now: float) -> str:
     return pending_rows([card], width, now)[0]
-
-
-@dataclass(frozen=True)
-class ActivityFilter:
-    """`audit activity`'s filters; an empty one keeps every row. Hosts compare without
-    case (policy aliases do); the run label and `grep` (a plain substring of the
-    command as the agent sent it, or of a file operation's path) compare exactly.
-    `until` compares the received time in whole seconds, as the rows show it: a row shown
-    at 21:52:05 is kept by `--until 21:52:05`, though it came at 21:52:05.4."""
-
-    hosts: frozenset[str] = frozenset()
-    run: str | None = None
-    since: float | None = None
-    until: float | None = None
-    outcomes: frozenset[str] = frozenset()
-    grep: str | None = None
-
-    def keeps(self, row: Mapping[str, Any]) -> bool:
-        if self.hosts and str(row.get("host") or "").lower() not in self.hosts:
-            return False
-        if self.run is not None and row.get("run") != self.run:
-            return False
-        at = row.get("received_at")
-        if self.since is not None and not (isinstance(at, int | float) and at >= self.since):
-            return False
-        if self.until is not None and not (isinstance(at, int | float) and int(at) <= self.until):
-            return False
-        if self.outcomes and not self.outcomes & outcome_words(row):
-            return False
-        return self.grep is None or self.grep in searched_text(row)
-
-    def select(self, rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        return [r for r in rows if self.keeps(r)]
-
-
-def outcome_words(row: Mapping[str, Any]) -> frozenset[str]:
-    """The `--outcome` words a row answers to: its outcome, and `failed` when it ran
-    and did not succeed."""
-    outcome = str(row.get("outcome"))
-    failed = outcome == "signalled" or (
-        outcome == "completed" and row.get("exit_status") not in (0, None)
-    )
-    return frozenset({outcome, "failed"} if failed else {outcome})
-
-
-def searched_text(row: Mapping[str, Any]) -> str:
-    f = row.get("file")
-    if isinstance(f, Mapping):
-        return f"{f.get('path')}\n{f.get('to') or ''}"
-    command = row.get("command")
-    return command if isinstance(command, str) else ""
 
 
 _DURATION = re.compile(r"(?:(\d+)([smhd]))+")

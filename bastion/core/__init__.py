@@ -14,8 +14,10 @@ told: codes, exit statuses, the `Refusal`), `errors` (the root exception),
 shown), `options` (options that run programs), `sharing` (what an agent is told
 of a shared ssh connection), `terminal` (the terminal an ssh client asked for),
 `grants` (bounded grants: a yes widened to an argv pattern, for uses or
-minutes), `concurrency` (how many commands one target serves well at once,
-learned from their times), `defaults` (every tunable, once).
+minutes), `presence` (approvals signed by an enrolled authenticator over the
+exact card, and the one check of such a signature), `concurrency` (how many
+commands one target serves well at once, learned from their times),
+`defaults` (every tunable, once).
 
 Every module here holds pure functions, immutable records and enums only, and
 imports the standard library's pure parts and `cryptography` only -- no

@@ -19,7 +19,7 @@ from bastion.core.command import Construct, Reading
 from bastion.core.display import escape_command, escape_command_marked, escape_text
 from bastion.core.files import FileOp
 from bastion.core.gate import AskCommand, AskSession, CardKind, EndReason, Request
-from bastion.core.policy import CommandCheck
+from bastion.core.policy import CommandCheck, Presence
 from bastion.core.stdin import Stdin, digest_of
 from bastion.core.subject import Peer, ProcessInfo, Subject
 
@@ -75,6 +75,9 @@ class Card:
     # command cards: a yes may be widened to a bounded grant (`core/grants`): the account
     # has `grants = true` and the command is argv, with no file and no terminal
     grantable: bool = False
+    # the account's `presence = "required"`: only enrolled authenticators' signatures
+    # approve this card (`core/presence`); None: any operator's answer does
+    presence: Presence | None = None
 
     def as_json(self, preview: bool = True) -> dict[str, object]:
         """The card for an operator's screen; `preview=False` for the journal, which
@@ -109,9 +112,12 @@ class Card:
 
 def _extra_json(card: Card) -> dict[str, object]:
     """The keys only some cards have: a file card's operation; a grantable command card's
-    `grantable` (its yes may be widened to a bounded grant, `core/grants`)."""
-    return ({"file": _file_json(card.file)} if card.file is not None else {}) | (
-        {"grantable": True} if card.grantable else {}
+    `grantable` (its yes may be widened to a bounded grant, `core/grants`); a presence
+    card's rule (how many approvers sign it, and whether each verifies its user)."""
+    return (
+        ({"file": _file_json(card.file)} if card.file is not None else {})
+        | ({"grantable": True} if card.grantable else {})
+        | ({"presence": card.presence.doc()} if card.presence is not None else {})
     )
 
 
@@ -204,4 +210,5 @@ def make_card(
             and reading.argv is not None
             and req.terminal is None
         ),
+        presence=verdict.account.presence,
     )

@@ -28,6 +28,7 @@ class BastionError(Exception):
         ├── core.policy.PolicyError -- the policy cannot be trusted as written
         ├── core.files.FilesError [ValueError] -- a `files` table that is not path globs
         ├── core.grants.GrantError -- a bounded grant that cannot be made as the operator asked
+        ├── core.presence.PresenceError [ValueError] -- a browser's answer not of WebAuthn's shape
         ├── config.ConfigError -- bastion.toml cannot be used as written
         ├── identity.resolver.IdentityError -- the peer could not be identified
         ├── journal.chain.JournalError -- the journal cannot be used as asked
@@ -55,6 +56,8 @@ class BastionError(Exception):
         ├── gateway.admission.NoSlot -- no in-flight slot freed up within the wait
         ├── gateway.agent_ssh.TooManyConnections -- a tenant, or all agents, hold their share
         ├── gateway.approvals.CardError -- an operator answer that cannot be applied
+        ├── gateway.operators.OperatorsError -- an enrolment or removal that cannot be done
+        ├── gateway.console.ConsoleError -- a console request refused, with its HTTP status
         ├── gateway.export.StreamStopped -- the gateway ends an export stream
         ├── ca.openbao.LoginError [ValueError] -- a sealed login of neither shape
         ├── gateway.outbound._ChannelRefused -- the target refused a channel on a shared connection

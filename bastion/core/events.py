@@ -85,6 +85,15 @@ class EventType(enum.Enum):
     GRANT_MADE = "grant_made"
     GRANT_USED = "grant_used"
     GRANT_ENDED = "grant_ended"
+    # presence (`core/presence`): a credential enrolled or removed (meta: its public half);
+    # the console's origin in this lifetime; a signature counted on a card (meta: the
+    # proof, for `audit verify`), or refused (meta: which check failed); a console login
+    OPERATOR_ENROLLED = "operator_enrolled"
+    OPERATOR_REMOVED = "operator_removed"
+    CONSOLE_STARTED = "console_started"
+    PRESENCE_SIGNED = "presence_signed"
+    PRESENCE_REFUSED = "presence_refused"
+    CONSOLE_LOGIN = "console_login"
     # one request's life: received, then denied, or dispatched and one outcome
     REQUEST_RECEIVED = "request_received"
     # the stdin read whole before a command card: its end, size and sha256 (no content)
@@ -483,3 +492,54 @@ def foreign_warning(span: dict[str, Any]) -> str:
         "certified: a gateway that was never unlocked wrote them, or someone else did. "
         "Check with `bastion audit verify --witness`."
     )
+
+
+@dataclass(frozen=True)
+class ActivityFilter:
+    """`audit activity`'s filters; an empty one keeps every row. Hosts compare without
+    case (policy aliases do); the run label and `grep` (a plain substring of the
+    command as the agent sent it, or of a file operation's path) compare exactly.
+    `until` compares the received time in whole seconds, as the rows show it: a row shown
+    at 21:52:05 is kept by `--until 21:52:05`, though it came at 21:52:05.4."""
+
+    hosts: frozenset[str] = frozenset()
+    run: str | None = None
+    since: float | None = None
+    until: float | None = None
+    outcomes: frozenset[str] = frozenset()
+    grep: str | None = None
+
+    def keeps(self, row: Mapping[str, Any]) -> bool:
+        if self.hosts and str(row.get("host") or "").lower() not in self.hosts:
+            return False
+        if self.run is not None and row.get("run") != self.run:
+            return False
+        at = row.get("received_at")
+        if self.since is not None and not (isinstance(at, int | float) and at >= self.since):
+            return False
+        if self.until is not None and not (isinstance(at, int | float) and int(at) <= self.until):
+            return False
+        if self.outcomes and not self.outcomes & outcome_words(row):
+            return False
+        return self.grep is None or self.grep in searched_text(row)
+
+    def select(self, rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [r for r in rows if self.keeps(r)]
+
+
+def outcome_words(row: Mapping[str, Any]) -> frozenset[str]:
+    """The `--outcome` words a row answers to: its outcome, and `failed` when it ran
+    and did not succeed."""
+    outcome = str(row.get("outcome"))
+    failed = outcome == "signalled" or (
+        outcome == "completed" and row.get("exit_status") not in (0, None)
+    )
+    return frozenset({outcome, "failed"} if failed else {outcome})
+
+
+def searched_text(row: Mapping[str, Any]) -> str:
+    f = row.get("file")
+    if isinstance(f, Mapping):
+        return f"{f.get('path')}\n{f.get('to') or ''}"
+    command = row.get("command")
+    return command if isinstance(command, str) else ""

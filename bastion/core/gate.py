@@ -120,6 +120,7 @@ class Session:
     entry_digest: str
     approved_at: float
     approved_by: Operator | None = None  # the operator socket's peer that answered the card
+    signed_by: tuple[str, ...] = ()  # presence accounts: the credentials that signed its card
 
 
 @dataclass(frozen=True)

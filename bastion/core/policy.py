@@ -60,6 +60,9 @@ _ACCOUNT_FIELDS = (
     "waiting_line",
     "pty",
     "grants",
+    "presence",
+    "user_verification",
+    "approvers",
 )
 # Login shells that run `sh -c STRING` as POSIX says, so a command read as argv
 # (core/command.py) is the argv they run.
@@ -80,6 +83,22 @@ class PolicyError(BastionError):
 class ApprovalMode(enum.Enum):
     SESSION = "session"
     PER_COMMAND = "per-command"
+
+
+@dataclass(frozen=True)
+class Presence:
+    """An account's `presence = "required"`: how many distinct enrolled credentials
+    must sign a card (`approvers`), and whether each must have verified its user
+    (`user_verification = "required"`: a PIN or a biometric, not only a touch)."""
+
+    approvers: int = 1
+    user_verification: bool = False
+
+    def doc(self) -> dict[str, object]:
+        return {"approvers": self.approvers, "user_verification": self.user_verification}
+
+
+MAX_APPROVERS = 16
 
 
 class ShellMode(enum.Enum):
@@ -115,6 +134,9 @@ class Account:
     # The operator may widen a yes to a command card into a bounded grant (`core/grants`):
     # per-command accounts only, off unless written.
     grants: bool = False
+    # A card is approved only by signatures of enrolled authenticators (`core/presence`);
+    # None: any operator's answer approves, as before.
+    presence: Presence | None = None
 
     @property
     def label(self) -> str:
@@ -340,7 +362,41 @@ def _parse_account(raw: object, host: str, where: str) -> Account:
         waiting_line=_flag(raw, "waiting_line", True, where),
         pty=_pty(raw, where),
         grants=_grants(raw, mode, where),
+        presence=_presence(raw, where),
     )
+
+
+def _presence(raw: dict[str, Any], where: str) -> Presence | None:
+    """`presence = "required"` (or absent: "off"), `user_verification = "required"` (or
+    "preferred"), `approvers = N`: the last two mean something only with the first, and
+    are refused without it rather than silently ignored."""
+    value = raw.get("presence", "off")
+    if value not in ("off", "required"):
+        fail(where, f'field "presence" must be "required" or "off", got {quote(value)}')
+    uv = raw.get("user_verification", "preferred")
+    if uv not in ("preferred", "required"):
+        fail(
+            where,
+            f'field "user_verification" must be "required" or "preferred", got {quote(uv)}',
+        )
+    approvers = raw.get("approvers", 1)
+    if isinstance(approvers, bool) or not isinstance(approvers, int):
+        fail(where, f'field "approvers" must be a whole number, got {quote(approvers)}')
+    if not 1 <= approvers <= MAX_APPROVERS:
+        fail(where, f'field "approvers" must be from 1 to {MAX_APPROVERS}, got {approvers}')
+    if value == "off":
+        for name, given in (
+            ("user_verification", "user_verification" in raw),
+            ("approvers", "approvers" in raw),
+        ):
+            if given:
+                fail(
+                    where,
+                    f'field "{name}" counts presence-signed approvals: it needs '
+                    'presence = "required" on the same account',
+                )
+        return None
+    return Presence(approvers=approvers, user_verification=uv == "required")
 
 
 def _grants(raw: dict[str, Any], mode: ApprovalMode, where: str) -> bool:
@@ -454,6 +510,7 @@ def _account_doc(a: Account) -> dict[str, Any]:
         | ({} if a.waiting_line else {"waiting_line": False})
         | ({"pty": True} if a.pty else {})
         | ({"grants": True} if a.grants else {})
+        | ({"presence": a.presence.doc()} if a.presence is not None else {})
     )
 
 

@@ -28,9 +28,21 @@ from bastion.core.errors import BastionError
 from bastion.core.gate import CardEnding, CardKind, CommandGrant, EndReason, Session
 from bastion.core.grants import BoundedGrant, GrantEnd, GrantError, parse_bound, parse_grant
 from bastion.core.opguard import Operator
+from bastion.core.presence import (
+    NONCE_BYTES,
+    Signature,
+    approval_challenge,
+    b64url,
+    card_digest,
+    grant_doc,
+    second_signature,
+    signed_enough,
+    unsigned_answer,
+)
 from bastion.core.subject import Subject, SubjectKey
 
 ENDED_REMEMBERED = 4096  # ended approvals kept to explain later cards (oldest forgotten)
+ASKS_KEPT = 16  # a presence card's outstanding challenges (oldest forgotten past this)
 
 
 class CardError(BastionError):
@@ -47,11 +59,29 @@ class GrantAsk:
     minutes: int | None
 
 
+@dataclass(frozen=True)
+class PresenceAsk:
+    """A challenge handed out for one presence card: what its signature will approve."""
+
+    card: Card
+    digest: str  # `presence.card_digest(card)`
+    nonce: str  # base64url, single use
+    grant: GrantAsk | None
+    challenge: bytes
+
+    def grant_json(self) -> dict[str, object] | None:
+        g = self.grant
+        return None if g is None else grant_doc(g.pattern, g.uses, g.minutes)
+
+
 @dataclass
 class _Open:
     card: Card
     future: asyncio.Future[CardEnding]
     approver_seen: bool = False
+    signatures: tuple[Signature, ...] = ()  # presence cards: counted signatures, in order
+    signed_grant: GrantAsk | None = None  # what the first signature asked with its yes
+    asks: dict[str, PresenceAsk] = field(default_factory=dict)  # nonce -> outstanding ask
 
 
 @dataclass
@@ -98,6 +128,8 @@ class ApprovalBook:
 
     boot_id: str
     command_ttl: float = COMMAND_TTL  # how long an approved command may wait to be sent
+    # where a presence card is approved, told to an answer that cannot approve it
+    presence_where: str = "run `bastion console` (the console is off: [console] in bastion.toml)"
     clock: Callable[[], float] = time.time
     # A session began (reason None) or ended (with its reason).
     on_session: Callable[[Session, Subject, EndReason | None], None] | None = None
@@ -170,6 +202,21 @@ class ApprovalBook:
         approval), or refuse it if the card's world is gone. With `grant`, a yes to a
         command card also makes a bounded grant (`grant_of_card`); a grant that cannot be
         made refuses the whole answer (`GrantError`), and the card stays open."""
+        card = self._current(card_id, vault_epoch, locked)
+        if (why := unsigned_answer(card, approve, self.presence_where)) is not None:
+            raise CardError(why)
+        made: BoundedGrant | None = None
+        if grant is not None:
+            made = self._check_grant(card, approve, grant)
+        if approve:
+            self._approve(card, made, by)
+        else:
+            self.close_card(card_id, CardEnding.DECLINED)
+        return card
+
+    def _current(self, card_id: str, vault_epoch: int, locked: bool) -> Card:
+        """The open card `card_id`, or CardError: unknown, already ended, or void (the
+        vault changed state, or the gateway restarted, since it was raised)."""
         o = self._cards.get(card_id)
         if o is None or o.future.done():
             raise CardError(f"no pending card {card_id} (answered, withdrawn or expired)")
@@ -177,20 +224,100 @@ class ApprovalBook:
         if locked or card.vault_epoch != vault_epoch or card.boot_id != self.boot_id:
             self.close_card(card_id, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED)
             raise CardError(f"card {card_id} is void: the vault changed state since it was raised")
-        made: BoundedGrant | None = None
-        if grant is not None:
-            made = self._check_grant(card, approve, grant)
-        if approve:
-            if card.kind is CardKind.SESSION:
-                self._open_session(card, by)
-            else:
-                self._grant_command(card)
+        return card
+
+    def _approve(
+        self,
+        card: Card,
+        made: BoundedGrant | None,
+        by: Operator | None,
+        signed_by: tuple[str, ...] = (),
+    ) -> None:
+        if card.kind is CardKind.SESSION:
+            self._open_session(card, by, signed_by)
+        else:
+            self._grant_command(card)
         if made is not None:
             self._grants[made.id] = made
             if self.on_grant is not None:
                 self.on_grant(made, None)
-        self.close_card(card_id, CardEnding.APPROVED if approve else CardEnding.DECLINED)
-        return card
+        self.close_card(card.id, CardEnding.APPROVED)
+
+    # -- presence ----------------------------------------------------------------
+
+    def presence_ask(
+        self, card_id: str, grant: GrantAsk | None, vault_epoch: int, locked: bool
+    ) -> PresenceAsk:
+        """A fresh challenge for one signature on a presence card: it commits to the card's
+        digest, the grant asked with the yes (checked now, so a grant that cannot be made
+        is refused before anyone touches a key) and a nonce used once."""
+        card = self._current(card_id, vault_epoch, locked)
+        if card.presence is None:
+            raise CardError(f"card {card_id} does not ask for a presence signature")
+        if grant is not None:
+            self._check_grant(card, True, grant)
+        o = self._cards[card_id]
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        digest = card_digest(card)
+        doc = None if grant is None else grant_doc(grant.pattern, grant.uses, grant.minutes)
+        ask = PresenceAsk(
+            card, digest, b64url(nonce), grant, approval_challenge(digest, nonce, doc)
+        )
+        o.asks[ask.nonce] = ask
+        while len(o.asks) > ASKS_KEPT:
+            del o.asks[next(iter(o.asks))]
+        return ask
+
+    def take_ask(self, card_id: str, nonce: str, vault_epoch: int, locked: bool) -> PresenceAsk:
+        """The outstanding ask `nonce` of an open card, taken (a nonce is used once,
+        whether or not its signature then holds); CardError if there is none."""
+        self._current(card_id, vault_epoch, locked)
+        ask = self._cards[card_id].asks.pop(nonce, None)
+        if ask is None:
+            raise CardError(
+                f"no outstanding challenge {nonce[:12]}... for card {card_id}: it was made "
+                "for another card, or already used; ask for a new one"
+            )
+        return ask
+
+    def signed(self, card_id: str) -> tuple[Signature, ...]:
+        """The signatures counted on an open card so far."""
+        o = self._cards.get(card_id)
+        return o.signatures if o is not None else ()
+
+    def sign_refusal(self, ask: PresenceAsk, signature: Signature) -> str | None:
+        """Why this checked signature cannot count on its card (None: it can). Every
+        signature on a card asks the same thing: the first one's grant (or none) is
+        what the others sign for; one credential is one approver."""
+        o = self._cards.get(ask.card.id)
+        if o is None or o.future.done():
+            return f"no pending card {ask.card.id} (answered, withdrawn or expired)"
+        if (why := second_signature(o.signatures, signature.credential_id)) is not None:
+            return why
+        if o.signatures and o.signed_grant != ask.grant:
+            return (
+                "another approver signed this card for a different answer (a bounded grant "
+                "or none): sign the same one, or deny the card"
+            )
+        return None
+
+    def sign(self, ask: PresenceAsk, signature: Signature, vault_epoch: int, locked: bool) -> bool:
+        """Count one checked signature (`presence.check` held for `ask`'s challenge, and
+        `sign_refusal` said none); True if it completes the card's approval."""
+        card = self._current(ask.card.id, vault_epoch, locked)
+        o = self._cards[card.id]
+        rule = card.presence
+        assert rule is not None and card is ask.card
+        if (why := self.sign_refusal(ask, signature)) is not None:
+            raise CardError(why)
+        made = self._check_grant(card, True, ask.grant) if ask.grant is not None else None
+        o.signatures = (*o.signatures, signature)
+        o.signed_grant = ask.grant
+        if not signed_enough(rule, o.signatures):
+            self._notify()
+            return False
+        self._approve(card, made, None, tuple(s.name for s in o.signatures))
+        return True
 
     def withdraw(
         self, pred: Callable[[Card], bool], answer: CardEnding, why: Withdrawal
@@ -212,7 +339,9 @@ class ApprovalBook:
 
     # -- sessions ----------------------------------------------------------
 
-    def _open_session(self, card: Card, by: Operator | None = None) -> Session:
+    def _open_session(
+        self, card: Card, by: Operator | None = None, signed_by: tuple[str, ...] = ()
+    ) -> Session:
         user = card.binding.user
         session = Session(
             id="ses_" + secrets.token_hex(6),
@@ -224,6 +353,7 @@ class ApprovalBook:
             entry_digest=card.entry_digest,
             approved_at=self.clock(),
             approved_by=by,
+            signed_by=signed_by,
         )
         self._sessions[(card.subject.key, card.host.lower(), user)] = _Live(
             session, card.subject, card.conversation

@@ -17,11 +17,13 @@ from bastion.core.cards import Card, Withdrawal
 from bastion.core.events import EventType
 from bastion.core.gate import CardEnding, EndReason
 from bastion.core.opguard import Operator
+from bastion.core.presence import Flaw, Proof, Signature
 from bastion.core.subject import Subject
-from bastion.gateway.approvals import ApprovalBook, GrantAsk
+from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk, PresenceAsk
+from bastion.gateway.operators import Operators
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.service import VaultState
-from bastion.vault import WrongPassphrase
+from bastion.vault import VaultError, WrongPassphrase
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class Authority:
         kill: Callable[[str], Awaitable[None]],
         vouch: Callable[[], None] = lambda: None,
         unlocked: Callable[[], None] = lambda: None,
+        operators: Operators | None = None,
     ) -> None:
         self.vault = vault
         self.book = book
@@ -59,6 +62,7 @@ class Authority:
         self.kill = kill  # signal one, then stop waiting for it (`Service.kill`)
         self.vouch = vouch
         self.unlocked = unlocked  # what the lifetime does once the identity is at hand
+        self.operators = operators  # who can sign presence cards (None: nobody, in tests)
         self._unlocking = asyncio.Lock()
         self._failures = 0  # wrong passphrases in a row
 
@@ -103,6 +107,56 @@ class Authority:
         )
         return card
 
+    def presence_ask(self, card_id: str, grant: GrantAsk | None) -> PresenceAsk:
+        """A fresh challenge to sign one presence card (with the grant asked, if any)."""
+        return self.book.presence_ask(card_id, grant, self.vault.epoch, self.vault.locked)
+
+    def sign(self, card_id: str, nonce: str, proof: Proof) -> tuple[Card, bool]:
+        """One operator's assertion for a challenge `presence_ask` made: checked against
+        the enrolled key (`presence.check`), journaled with its proof before it counts,
+        then counted; True once the card has all the signatures it needs and is approved.
+        A flaw is journaled too (`presence_refused`) and the card stays open."""
+        ask = self.book.take_ask(card_id, nonce, self.vault.epoch, self.vault.locked)
+        card = ask.card
+        assert card.presence is not None
+        if self.operators is None:
+            raise CardError("no operator credentials are enrolled in this gateway")
+        got = self.operators.verify(proof, ask.challenge, card.presence.user_verification)
+        base = {"request_id": card.request_id, "card": card.id, "credential": proof.credential_id}
+        if isinstance(got, Flaw):
+            self.recorder.record(EventType.PRESENCE_REFUSED, base | {"flaw": got.value})
+            log.warning("%s: a signature for card %s refused: %s", card.request_id, card.id, got)
+            raise CardError(f"signature refused: {got.words}")
+        cred = self.operators.credential(got.credential_id)
+        assert cred is not None
+        signature = Signature(cred.id, cred.name, self.book.clock())
+        why = self.book.sign_refusal(ask, signature)
+        if why is not None:
+            raise CardError(why)
+        self.recorder.record(
+            EventType.PRESENCE_SIGNED,
+            base
+            | {
+                "name": cred.name,
+                "card_digest": ask.digest,
+                "nonce": ask.nonce,
+                "grant": ask.grant_json(),
+                "proof": proof.as_json(),
+                "user_verification": card.presence.user_verification,
+            },
+        )
+        done = self.book.sign(ask, signature, self.vault.epoch, self.vault.locked)
+        log.info(
+            "%s: card %s signed by %r%s",
+            card.request_id,
+            card.id,
+            cred.name,
+            ", approved" if done else "",
+        )
+        if done and not self.alive(card.subject.pid, card.subject.start_time):
+            self.subject_exited(card.subject)
+        return card, done
+
     def revoke(self, session: str) -> bool:
         ended = self.book.end_sessions(lambda g: g.id == session, EndReason.REVOKED)
         if ended:
@@ -125,6 +179,18 @@ class Authority:
         self.vouch()
         self.unlocked()
 
+    async def prove_passphrase(self, passphrase: bytes) -> None:
+        """The vault passphrase, checked as `unlock` checks it and with its backoff, so
+        guessing it through enrolling or removing a credential is no faster."""
+        async with self._unlocking:
+            try:
+                await asyncio.to_thread(self.vault.check_passphrase, passphrase)
+            except WrongPassphrase:
+                self._failures += 1
+                await asyncio.sleep(min(UNLOCK_BACKOFF * 2 ** (self._failures - 1), UNLOCK_MAX))
+                raise
+            self._failures = 0
+
     async def lock(self, terminate: bool) -> list[str]:
         """Lock at once: every approval ends, every card is withdrawn, nothing is
         kept to run later. With `terminate`, also end every command in flight."""
@@ -139,6 +205,14 @@ class Authority:
         return ended
 
     def _vault_changed(self, locked: bool) -> None:
+        if self.operators is not None:
+            if locked:
+                self.operators.forget()
+            else:
+                try:
+                    self.operators.load()
+                except (VaultError, ValueError) as exc:
+                    log.error("the enrolled operator credentials cannot be read: %s", exc)
         ended = self.book.end_sessions(lambda g: True, EndReason.VAULT_STATE_CHANGED)
         withdrawn = self.book.withdraw(
             lambda c: True, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED

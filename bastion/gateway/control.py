@@ -29,6 +29,7 @@ from bastion.core.opguard import Operator
 from bastion.core.policy import PolicyError
 from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk
 from bastion.gateway.authority import Authority
+from bastion.gateway.operators import Operators, OperatorsError
 from bastion.gateway.opserver import OPERATOR_ARG, Handler
 from bastion.gateway.recorder import ForeignRecords
 from bastion.gateway.service import Service
@@ -118,6 +119,11 @@ class GatewayView(Protocol):
     authority: Authority
     witness: Witness | None
     foreign: ForeignRecords
+    operators: Operators
+    recorder: Any  # the gateway's `Recorder` (the console adds a sink)
+
+    @property
+    def console_url(self) -> str | None: ...
 
     @property
     def settings(self) -> Settings: ...
@@ -147,6 +153,12 @@ class Control:
             "revoke": self.revoke,
             "kill": self.kill,
             "audit": self.audit,
+            "console": self.console,
+            "operator_list": self.operator_list,
+            "operator_enroll": self.operator_enroll,
+            "operator_enroll_wait": self.operator_enroll_wait,
+            "operator_enroll_confirm": self.operator_enroll_confirm,
+            "operator_remove": self.operator_remove,
         }
         for name in ops.KEY_OPS:
             handlers[name] = self._key_handler(name)
@@ -261,6 +273,7 @@ class Control:
                 "approved_at": g.approved_at,
                 "vault_epoch": g.vault_epoch,
                 "approved_by": g.approved_by.as_json() if g.approved_by else None,
+                "signed_by": list(g.signed_by),
                 "grants": [b.as_json() for b in self.book.grants_for(g.id)],
             }
             for g, s in self.book.sessions()
@@ -319,6 +332,67 @@ class Control:
         except (VaultError, ops.OpsError) as exc:
             raise OperatorError(str(exc)) from None
         return rows[-last:] if last else rows
+
+    # -- presence: the console and the enrolled credentials ----------------------------
+
+    async def console(self, _: dict[str, Any]) -> dict[str, Any]:
+        url = self.gw.console_url
+        return {"enabled": url is not None, "url": url}
+
+    async def operator_list(self, _: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.gw.vault.locked:
+            raise OperatorError("the vault is locked; run `bastion unlock` first")
+        return self.gw.operators.listed()
+
+    def _passphrase(self, args: dict[str, Any]) -> bytes:
+        try:
+            return base64.b64decode(text_arg(args, "passphrase"), validate=True)
+        except ValueError:
+            raise OperatorError("malformed passphrase field") from None
+
+    async def operator_enroll(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Begin an enrolment: the passphrase, then a one-time URL for the browser."""
+        url = self.gw.console_url
+        if url is None:
+            raise OperatorError(
+                "the console is off: set [console] enabled = true in bastion.toml and "
+                "restart the gateway; enrolling is done in its page"
+            )
+        passphrase, name = self._passphrase(args), text_arg(args, "credential_name")
+        try:
+            await self.authority.prove_passphrase(passphrase)
+            token = self.gw.operators.begin(name)
+        except (OperatorsError, VaultError) as exc:
+            raise OperatorError(str(exc)) from None
+        return {"token": token, "url": f"{url}enroll#{token}"}
+
+    async def operator_enroll_wait(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Wait (up to `wait` seconds) for the page to register an authenticator."""
+        token = text_arg(args, "token")
+        deadline = time.monotonic() + number_arg(args, "wait", 0.0, MAX_WAIT)
+        ops_ = self.gw.operators
+        try:
+            while not ops_.waiting(token) and (left := deadline - time.monotonic()) > 0:
+                await ops_.wait_registered(left)
+            return {"registered": ops_.waiting(token)}
+        except OperatorsError as exc:
+            raise OperatorError(str(exc)) from None
+
+    async def operator_enroll_confirm(self, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            cred = self.gw.operators.confirm(text_arg(args, "token"), text_arg(args, "code"))
+        except (OperatorsError, VaultError) as exc:
+            raise OperatorError(str(exc)) from None
+        return cred.as_json()
+
+    async def operator_remove(self, args: dict[str, Any]) -> dict[str, Any]:
+        passphrase, ident = self._passphrase(args), text_arg(args, "credential")
+        try:
+            await self.authority.prove_passphrase(passphrase)
+            cred = self.gw.operators.remove(ident)
+        except (OperatorsError, VaultError) as exc:
+            raise OperatorError(str(exc)) from None
+        return {"removed": cred.id, "name": cred.name}
 
     # -- keys --------------------------------------------------------------------------
 

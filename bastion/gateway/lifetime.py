@@ -54,8 +54,10 @@ from bastion.gateway.agent_ssh import AgentListener
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.assembly import build_service
 from bastion.gateway.certify import Certifier
+from bastion.gateway.console import Console
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
+from bastion.gateway.operators import Operators
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
@@ -143,7 +145,14 @@ class Gateway:
                 self.config.export_with_commands,
             )
             self.recorder.sinks.append(self.witness.sink)
-        self.book = ApprovalBook(self.boot_id, command_ttl=settings.command_approval_ttl)
+        self.book = ApprovalBook(
+            self.boot_id,
+            command_ttl=settings.command_approval_ttl,
+            presence_where=self.config.console.approve_where,
+        )
+        # Who can sign presence cards: sealed in the vault, read at unlock (gateway/operators).
+        self.operators = Operators(self.vault, self.recorder, RP_ID, self.config.console.origin)
+        self.console: Console | None = None
         self.issuer = self._issuer()
         self._checks: set[asyncio.Task[None]] = set()
         self.dispatcher = Dispatcher(
@@ -172,6 +181,7 @@ class Gateway:
             witnessed=self.witness.intent if self.witness is not None else None,
             vouch=self.vouch,
             unlocked=self._unlocked,
+            operators=self.operators,
         )
         self.service = assembly.service
         self.authority = assembly.authority
@@ -232,6 +242,11 @@ class Gateway:
             self.recorder.note(record, {})
         except (VaultError, OSError, JournalError) as exc:
             log.error("could not vouch for this lifetime's journal: %s", exc)
+
+    @property
+    def console_url(self) -> str | None:
+        """The console's page (with its slash), or None when bastion.toml keeps it off."""
+        return f"{self.config.console.origin}/" if self.console is not None else None
 
     def listeners_health(self) -> dict[str, Any]:
         """The agent and operator sockets' health, for `bastion status`."""
@@ -424,6 +439,9 @@ class Gateway:
             os.getuid(),
             self.agent_processes,
         )
+        if self.config.console.enabled:
+            self.console = Console(self, self.operators, self.config.console)
+            await self.console.start()
         doors = AgentDoors(self, self.service.policy.current, self.requests, self.tenants)
         listener = self._agent_listener = AgentListener(
             self.service,
@@ -460,6 +478,8 @@ class Gateway:
             await listener.close()
             doors.close()
             op_server.close()
+            if self.console is not None:
+                await self.console.close()
             self.dispatcher.close_all()
             self.recorder.record(EventType.GATEWAY_STOPPED, {})
             self.vouch()
@@ -493,6 +513,9 @@ class Gateway:
             w.buffer_max,
             w.when_full,
         )
+
+
+RP_ID = "localhost"  # the console's WebAuthn relying party: its loopback name
 
 
 def _write_private(path: Path, doc: dict[str, Any], what: str) -> None:

@@ -273,7 +273,8 @@ class Recorder:
                     "vault_epoch": session.vault_epoch,
                     "entry_digest": session.entry_digest,
                 }
-                | ({"approved_by": session.approved_by.as_json()} if session.approved_by else {}),
+                | ({"approved_by": session.approved_by.as_json()} if session.approved_by else {})
+                | ({"signed_by": list(session.signed_by)} if session.signed_by else {}),
             )
         else:
             self.record(EventType.SESSION_ENDED, {"session_id": session.id, "reason": reason.value})

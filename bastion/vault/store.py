@@ -297,6 +297,17 @@ class Vault:
             )
         return private
 
+    def check_passphrase(self, passphrase: bytes) -> None:
+        """WrongPassphrase unless `passphrase` opens this vault: what enrolling or removing
+        an operator's credential asks for on top of an unlocked vault (`gateway/operators`)."""
+        doc = self._load()
+        key = doc.kdf.derive(passphrase)
+        try:
+            if not doc.matches(key):
+                raise WrongPassphrase(f"wrong passphrase for the vault {self.path}")
+        finally:
+            wipe(key)
+
     def read_private_key(self, passphrase: bytes, label: str) -> asyncssh.SSHKey:
         """One key, for one offline read (e.g. `bastion audit activity` with no
         gateway running): no epoch change, nothing kept unlocked."""

@@ -30,6 +30,11 @@ LARGE_MODULES: dict[str, str] = {
     "bastion/core/command.py": "the command reader: the decision (argv or shell source), the "
     "listing of that source's constructs and the rules all read text with one set of "
     "character tables; split, the listing could drift from what the decision saw",
+    "bastion/core/policy.py": "the policy model and its parser: each field's check beside "
+    "its record and its place in the entry digest, so a field cannot be read one way and "
+    "digested another",
+    "bastion/gateway/lifetime.py": "one gateway lifetime: what it builds, then its start and "
+    "its stop in order; split, the order of start-up and shutdown would be read across files",
 }
 # The core may use these and nothing else: no asyncio, asyncssh, psutil, sockets or files.
 CORE_ALLOWED = {
@@ -54,6 +59,12 @@ CORE_ALLOWED = {
     "cryptography",
     "bastion",
 }
+
+
+# One module of the core may use one library more: presence reads WebAuthn's formats
+# (CBOR, COSE, attestation statements) with `webauthn`, which computes and does no I/O,
+# so that no CBOR or COSE is parsed by hand (the issue asks for a maintained library).
+CORE_LIBRARIES = {"bastion.core.presence": {"webauthn"}}
 
 
 def modules() -> dict[str, Path]:
@@ -127,7 +138,8 @@ def test_the_graph_sees_function_level_imports() -> None:
 def test_the_core_imports_only_the_standard_library_pure_parts_and_cryptography(name: str) -> None:
     for target, line in imports(MODULES[name]):
         top = target.split(".")[0]
-        assert top in CORE_ALLOWED, f"{MODULES[name].name}:{line} imports {target}"
+        allowed = CORE_ALLOWED | CORE_LIBRARIES.get(name, set())
+        assert top in allowed, f"{MODULES[name].name}:{line} imports {target}"
         if top == "bastion":
             assert target.startswith("bastion.core"), (
                 f"{MODULES[name].name}:{line} imports {target}"

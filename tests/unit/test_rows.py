@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bastion.cli import rows
-from bastion.cli.rows import ActivityFilter, cells, cut, parse_when
+from bastion.cli.rows import cells, cut, parse_when
+from bastion.core.events import ActivityFilter
 
 NOW = time.mktime((2026, 12, 1, 21, 50, 0, 0, 0, -1))  # local time, as the views show it
 

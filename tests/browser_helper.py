@@ -1,0 +1,230 @@
+"""The console in a real browser: Debian's headless Chromium driven by Selenium, with
+Chromium's virtual authenticator (the DevTools protocol's `WebAuthn` domain) standing in
+for a passkey or a security key. What the page does with it is what it does with a real
+one: `navigator.credentials.create()` and `.get()`, with a person's presence simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.harness import PASSPHRASE, Bastion, cli_argv, wait_for, write_bastion_toml
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+# Chromium as the machine's probe starts it: no sandbox (root), and none of the background
+# connections a closed network refuses many at a time.
+FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+)
+WAIT = 30.0  # seconds any one thing on the page may take to appear
+
+
+def browser_missing() -> str | None:
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            return f"{path} is not installed (Debian's chromium and chromium-driver; .ci/run)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def enable_console(b: Bastion, port: int | None = None) -> str:
+    """bastion.toml with the console on a free port; its origin."""
+    port = port or free_port()
+    write_bastion_toml(b, f"[console]\nenabled = true\nport = {port}\n")
+    return f"http://localhost:{port}"
+
+
+@dataclass
+class Browser:
+    """One Chromium with a fresh profile; `authenticator` adds a virtual one."""
+
+    width: int = 1280
+    height: int = 800
+    profile: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chromium-")))
+    driver: webdriver.Chrome = field(init=False)
+    authenticators: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in FLAGS:
+            options.add_argument(flag)
+        options.add_argument(f"--user-data-dir={self.profile}")
+        options.add_argument(f"--window-size={self.width},{self.height}")
+        self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        self.driver.set_script_timeout(WAIT)
+        self.cdp("WebAuthn.enable", enableUI=False)
+
+    def cdp(self, method: str, **params: Any) -> Any:
+        return self.driver.execute_cdp_cmd(method, params)
+
+    def authenticator(self, transport: str = "internal", user_verification: bool = True) -> str:
+        """A virtual CTAP2 authenticator that answers with presence (and, if it has it,
+        user verification) at once."""
+        got = self.cdp(
+            "WebAuthn.addVirtualAuthenticator",
+            options={
+                "protocol": "ctap2",
+                "transport": transport,
+                "hasResidentKey": True,
+                "hasUserVerification": user_verification,
+                "isUserVerified": user_verification,
+                "automaticPresenceSimulation": True,
+            },
+        )
+        self.authenticators.append(got["authenticatorId"])
+        return str(got["authenticatorId"])
+
+    def credentials(self, authenticator: str) -> list[dict[str, Any]]:
+        got = self.cdp("WebAuthn.getCredentials", authenticatorId=authenticator)
+        return list(got["credentials"])
+
+    def get(self, url: str) -> None:
+        self.driver.get(url)
+
+    def find(self, css: str, timeout: float = WAIT) -> WebElement:
+        """The first element matching `css` once it is displayed."""
+
+        def shown(d: webdriver.Chrome) -> WebElement | bool:
+            for el in d.find_elements(By.CSS_SELECTOR, css):
+                if el.is_displayed():
+                    return el
+            return False
+
+        try:
+            return WebDriverWait(self.driver, timeout).until(shown)
+        except TimeoutException:
+            page = self.text()[:2000]
+            raise AssertionError(f"{css!r} never appeared; the page says: {page}") from None
+
+    def gone(self, css: str, timeout: float = WAIT) -> None:
+        WebDriverWait(self.driver, timeout).until(
+            lambda d: not any(e.is_displayed() for e in d.find_elements(By.CSS_SELECTOR, css))
+        )
+
+    def until(self, what: Callable[[], object], timeout: float = WAIT) -> Any:
+        return WebDriverWait(self.driver, timeout).until(lambda _: what())
+
+    def text(self) -> str:
+        return str(self.driver.find_element(By.TAG_NAME, "body").text)
+
+    def script(self, source: str, *args: Any) -> Any:
+        """Run async JavaScript; its last argument is the callback."""
+        return self.driver.execute_async_script(source, *args)
+
+    def cookie(self, name: str) -> str | None:
+        got = self.driver.get_cookie(name)
+        return None if got is None else str(got["value"])
+
+    def screenshot(self, name: str) -> Path:
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / f"{name}.png"
+        self.driver.save_screenshot(str(path))
+        return path
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.driver.quit()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def browser(width: int = 1280, height: int = 800) -> Iterator[Browser]:
+    b = Browser(width, height)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def enroll(b: Bastion, web: Browser, name: str, origin: str) -> dict[str, str]:
+    """`bastion operator enroll` as the operator runs it, its page in `web`: the code the
+    page shows typed back at the CLI. Returns what the CLI printed, and the code."""
+    proc = subprocess.Popen(
+        cli_argv(
+            b.home.root,
+            "operator",
+            "enroll",
+            "--name",
+            name,
+            "--passphrase-stdin",
+            "--no-open",
+            "--code-stdin",
+        ),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(PASSPHRASE + "\n")
+        proc.stdin.flush()
+        proc.stdout.readline()  # "Open this page ..."
+        url = proc.stdout.readline().strip()
+        assert url.startswith(f"{origin}/enroll#"), url
+        web.get(url)
+        web.find("#enroll-button").click()
+        code = web.find("#enroll-code").text.strip()
+        proc.stdin.write(code + "\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    return {"out": out, "code": code, "url": url}
+
+
+def log_in(web: Browser, origin: str) -> None:
+    web.get(f"{origin}/")
+    web.find("#login-button").click()
+    web.find("#app")
+
+
+def card_element(web: Browser, card_id: str, timeout: float = WAIT) -> WebElement:
+    return web.find(f'[data-card="{card_id}"]', timeout)
+
+
+def next_card(b: Bastion, kind: str, timeout: float = WAIT) -> dict[str, Any]:
+    """The first pending card of `kind` ("session" or "command"), once there is one."""
+    found: list[dict[str, Any]] = []
+
+    def there() -> bool:
+        found[:] = [c for c in b.op("pending", wait=1) if c["kind"] == kind]
+        return bool(found)
+
+    wait_for(there, timeout)
+    return found[0]
