@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from selenium import webdriver
-from selenium.common.exceptions import TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
@@ -43,6 +43,8 @@ FLAGS = (
     "--disable-dev-shm-usage",
 )
 WAIT = 30.0  # seconds any one thing on the page may take to appear
+# An element the page re-drew while a wait looked at it: look again.
+IGNORED = (StaleElementReferenceException,)
 
 
 def browser_missing() -> str | None:
@@ -123,18 +125,19 @@ class Browser:
             return False
 
         try:
-            return WebDriverWait(self.driver, timeout).until(shown)
+            return WebDriverWait(self.driver, timeout, ignored_exceptions=IGNORED).until(shown)
         except TimeoutException:
             page = self.text()[:2000]
             raise AssertionError(f"{css!r} never appeared; the page says: {page}") from None
 
     def gone(self, css: str, timeout: float = WAIT) -> None:
-        WebDriverWait(self.driver, timeout).until(
+        WebDriverWait(self.driver, timeout, ignored_exceptions=IGNORED).until(
             lambda d: not any(e.is_displayed() for e in d.find_elements(By.CSS_SELECTOR, css))
         )
 
     def until(self, what: Callable[[], object], timeout: float = WAIT) -> Any:
-        return WebDriverWait(self.driver, timeout).until(lambda _: what())
+        wait = WebDriverWait(self.driver, timeout, ignored_exceptions=IGNORED)
+        return wait.until(lambda _: what())
 
     def text(self) -> str:
         return str(self.driver.find_element(By.TAG_NAME, "body").text)

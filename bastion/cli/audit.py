@@ -75,9 +75,11 @@ def audit_verify(
     strict: bool,
     as_json: bool,
 ) -> None:
-    """Check order, chain, signatures and vouches, and with --witness the
-    heads a witness saw. Needs neither the passphrase nor the gateway. Exit 0
-    intact, 1 with the first bad record or the first witnessed head missing."""
+    """Check order, chain, signatures and vouches, every presence-signed approval
+    against the keys its enrolment recorded, and with --witness the heads a witness
+    saw. Needs neither the passphrase nor the gateway. Exit 0 intact, 1 with the
+    first bad record, a presence approval that does not hold, or the first
+    witnessed head missing."""
     from bastion import journal, ops
     from bastion.journal import verify as journal_verify
     from bastion.vault import Vault, VaultError
@@ -108,6 +110,7 @@ def audit_verify(
         lines = [
             f"journal {directory}: {head} ({v['records']} record(s) checked)",
             *(f"  note: {n}" for n in v["notes"]),
+            *(f"  presence: seq {p['seq']}: {p['words']}" for p in v["presence"] if p["problem"]),
         ]
         w = v.get("witness")
         if w is not None:

@@ -416,7 +416,17 @@ def card_rows(card: dict[str, Any]) -> list[Row]:
     if card.get("grantable"):
         words = "g widens a yes to this run's commands matching a pattern, for uses or minutes"
         rows.append(Row("  grant:", Text(words)))
+    if card.get("presence"):
+        rows.append(Row("  presence:", Text(presence_words(card["presence"])), style=WARN))
     return rows
+
+
+def presence_words(rule: dict[str, Any]) -> str:
+    """A presence card's rule, and where it is approved: not here."""
+    n = int(rule.get("approvers", 1))
+    who = "an enrolled authenticator" if n == 1 else f"{n} distinct enrolled authenticators"
+    uv = " with user verification" if rule.get("user_verification") else ""
+    return f"signed by {who}{uv}: approve it in the console (`bastion console`); here, n denies"
 
 
 def details_rows(card: dict[str, Any]) -> list[Row]:

@@ -25,6 +25,7 @@ import base64
 import enum
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from webauthn.helpers.structs import ClientDataType
 
 from bastion.core.cards import Card
 from bastion.core.errors import BastionError
+from bastion.core.events import Entry, EventType, event_type
 from bastion.core.policy import Presence
 
 NONCE_BYTES = 32
@@ -407,3 +409,116 @@ def unsigned_answer(card: Card, approve: bool, where: str) -> str | None:
         f'presence = "required"): approve it in the console ({where}); '
         "an answer here can only deny it"
     )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing `audit verify` says of the presence records: a `problem` (an approval
+    the journal claims that does not hold) or not (a signature the gateway refused)."""
+
+    seq: int
+    words: str
+    problem: bool
+
+    def as_json(self) -> dict[str, object]:
+        return {"seq": self.seq, "words": self.words, "problem": self.problem}
+
+
+@dataclass
+class _Walk:
+    credentials: dict[str, Credential]
+    counts: dict[str, int]
+    consoles: dict[str, tuple[str, str]]  # boot -> (origin, rp_id)
+    asked: dict[str, int]  # card id -> approvers, for the presence cards raised
+    signed: dict[str, set[str]]  # card id -> credentials whose signature held
+    findings: list[Finding]
+
+
+def audit(entries: Iterable[Entry]) -> list[Finding]:
+    """Check every presence record of a journal again, offline, from its plaintext alone:
+    each signature against the public key its enrolment recorded (signature, challenge,
+    origin, rpId hash, presence and verification flags, the sign counter rising), and
+    each approved presence card against the signatures it needed."""
+    w = _Walk({}, {}, {}, {}, {}, [])
+    for entry in entries:
+        kind, meta = event_type(entry), entry.meta
+        if kind is EventType.OPERATOR_ENROLLED:
+            try:
+                cred = Credential.from_json(meta)
+            except PresenceError:
+                w.findings.append(Finding(entry.seq, "an enrolment record is malformed", True))
+                continue
+            w.credentials[cred.id], w.counts[cred.id] = cred, 0
+        elif kind is EventType.OPERATOR_REMOVED:
+            w.credentials.pop(str(meta.get("id")), None)
+        elif kind is EventType.CONSOLE_STARTED:
+            w.consoles[entry.boot] = (str(meta.get("origin")), str(meta.get("rp_id")))
+        elif kind is EventType.CARD_RAISED and meta.get("presence"):
+            w.asked[str(meta.get("card"))] = int(meta["presence"])
+        elif kind in (EventType.PRESENCE_SIGNED, EventType.CONSOLE_LOGIN):
+            _signed(w, entry, kind)
+        elif kind is EventType.PRESENCE_REFUSED:
+            what = "a login" if meta.get("login") else f"a signature for card {meta.get('card')}"
+            flaw = _flaw(meta.get("flaw"))
+            w.findings.append(
+                Finding(
+                    entry.seq,
+                    f"{what} by credential {str(meta.get('credential'))[:16]}... was refused "
+                    f"by the gateway: {flaw.words if flaw else meta.get('flaw')}",
+                    False,
+                )
+            )
+        elif kind is EventType.CARD_CLOSED and str(meta.get("card")) in w.asked:
+            card = str(meta.get("card"))
+            need, got = w.asked.pop(card), w.signed.pop(card, set())
+            if meta.get("answer") == "approved" and len(got) < need:
+                w.findings.append(
+                    Finding(
+                        entry.seq,
+                        f"card {card} is recorded approved with {len(got)} valid presence "
+                        f"signature(s) of the {need} its account asks",
+                        True,
+                    )
+                )
+    return w.findings
+
+
+def _flaw(value: object) -> Flaw | None:
+    try:
+        return Flaw(value)
+    except ValueError:
+        return None
+
+
+def _signed(w: _Walk, entry: Entry, kind: EventType) -> None:
+    meta = entry.meta
+    login = kind is EventType.CONSOLE_LOGIN
+    what = "the console login" if login else f"the signature on card {meta.get('card')}"
+    try:
+        proof = Proof.from_json(meta["proof"])
+        nonce = unb64url(str(meta["nonce"]))
+        if login:
+            challenge = login_challenge(nonce)
+        else:
+            challenge = approval_challenge(str(meta["card_digest"]), nonce, meta.get("grant"))
+    except (KeyError, TypeError, ValueError, PresenceError):
+        w.findings.append(Finding(entry.seq, f"{what} is not a well-formed proof", True))
+        return
+    origin, rp_id = w.consoles.get(entry.boot, ("", ""))
+    cred = w.credentials.get(proof.credential_id)
+    got = check(
+        proof,
+        cred,
+        challenge=challenge,
+        origin=origin,
+        rp_id=rp_id,
+        user_verification=bool(meta.get("user_verification")),
+        last_count=w.counts.get(proof.credential_id, 0),
+    )
+    if isinstance(got, Flaw):
+        name = f" by {cred.name!r}" if cred is not None else ""
+        w.findings.append(Finding(entry.seq, f"{what}{name} does not hold: {got.words}", True))
+        return
+    w.counts[got.credential_id] = got.sign_count
+    if not login:
+        w.signed.setdefault(str(meta.get("card")), set()).add(got.credential_id)

@@ -13,9 +13,9 @@ What it trusts, and why each check is here:
   host), and only the console's own origin in every state-changing request's
   Origin header (another loopback port is another origin).
 * A login is itself an assertion; its cookie is HttpOnly, SameSite=Strict and
-  host-only, and it ends when the vault changes state. Each state-changing
-  request carries the login's CSRF token in a header, which a page of another
-  origin cannot read.
+  host-only, and it ends when the vault changes state or its credential is
+  removed. Each state-changing request carries the login's CSRF token in a
+  header, which a page of another origin cannot read.
 * A stolen cookie and token still cannot approve a presence card: that takes a
   fresh signature over that card (`Authority.sign`).
 * The page is the package's own files (`bastion/data/console/`), served with a
@@ -68,6 +68,7 @@ MAX_LOGIN_ASKS = 32
 MAX_BODY = 256 * 1024
 ACTIVITY_ROWS = 200
 PING = 15.0  # seconds between keep-alive comments on an event stream
+SHUTDOWN = 2.0  # seconds a stopping gateway waits for the console's requests in flight
 UV = {True: UserVerificationRequirement.REQUIRED, False: UserVerificationRequirement.PREFERRED}
 ASSETS = {
     "console.js": "text/javascript",
@@ -153,6 +154,7 @@ class Console:
         self._changed = asyncio.Event()
         self._activity = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        self._closing = False
         self.streams = 0  # open event streams (tabs), for status and the bench
 
     # -- serving ---------------------------------------------------------------------
@@ -180,7 +182,9 @@ class Console:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN
+        )
         await self._runner.setup()
         # Both loopback addresses: a browser may try either for `localhost`, and one left
         # free could be taken by another process serving a page at this very origin.
@@ -199,7 +203,9 @@ class Console:
     async def close(self) -> None:
         with contextlib.suppress(ValueError):
             self.gw.recorder.sinks.remove(self._sink)
-        self._wake()  # every stream sees the end
+        self._closing = True
+        self._wake()  # every stream sees the end, and ends
+        self._activity.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -244,7 +250,10 @@ class Console:
         login = self._logins.get(token)
         vault = self.gw.vault
         if login is not None and (
-            login.expires_at <= time.time() or login.vault_epoch != vault.epoch or vault.locked
+            login.expires_at <= time.time()
+            or login.vault_epoch != vault.epoch
+            or vault.locked
+            or self.operators.credential(login.credential_id) is None  # removed since
         ):
             del self._logins[token]
             login = None
@@ -388,7 +397,7 @@ class Console:
         await response.prepare(request)
         self.streams += 1
         try:
-            while True:
+            while not self._closing:
                 changed = self._changed
                 data = json.dumps(await self.snapshot())
                 await response.write(f"event: snapshot\ndata: {data}\n\n".encode())

@@ -253,6 +253,8 @@ class Recorder:
         """A card raised (`answer` None) or closed: its ending, and why when it was
         withdrawn (`why`: the agent exited, its connection closed, the vault locked)."""
         meta = {"request_id": card.request_id, "card": card.id, "kind": card.kind.value}
+        if card.presence is not None:  # `audit verify` counts the signatures it needs
+            meta["presence"] = card.presence.approvers
         if answer is None:
             self.record(EventType.CARD_RAISED, meta, {"card": card.as_json(preview=False)})
             self.publish({"event": "card", "card": card.as_json()})

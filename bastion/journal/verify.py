@@ -15,6 +15,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from bastion.core import presence
 from bastion.core.events import EventType, event_type
 from bastion.journal import (
     GENESIS,
@@ -50,6 +51,8 @@ class VerifyReport:
     problem: str | None = None  # the first bad record, named, and why
     notes: list[str] = field(default_factory=list)
     unvouched: list[dict[str, Any]] = field(default_factory=list)  # boots never vouched for
+    # what `presence.audit` says of the presence-signed approvals and logins
+    presence: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,7 @@ class VerifyReport:
             "problem": self.problem,
             "notes": self.notes,
             "unvouched": self.unvouched,
+            "presence": self.presence,
         }
 
 
@@ -84,6 +88,11 @@ def verify(
     last_line: Line | None = None
     lines = list(read_lines(directory))
     present = {line.record.seq for line in lines if line.record is not None}
+    # Every presence signature checked again against the enrolled keys, whatever the
+    # chain says: an approval that does not hold is named even in a broken journal.
+    found = presence.audit(line.record for line in lines if line.record is not None)
+    v.presence = [f.as_json() for f in found]
+    v.notes.extend(f"seq {f.seq}: {f.words}" for f in found if not f.problem)
     torn_writes: list[str] = []
     for line in lines:
         last_line = line
@@ -190,6 +199,13 @@ def verify(
             last_line,
             f"unvouched: seq {v.unvouched[0]['first']}..{v.unvouched[0]['last']} are "
             f"signed by boot key {v.unvouched[0]['boot']}, never vouched for (--strict)",
+        )
+    flawed = [f for f in found if f.problem]
+    if flawed:
+        return bad(
+            next((ln for ln in lines if ln.record and ln.record.seq == flawed[0].seq), None),
+            f"presence: {flawed[0].words}"
+            + (f" (and {len(flawed) - 1} more)" if len(flawed) > 1 else ""),
         )
     uncovered = v.records - vouched_to
     if uncovered:

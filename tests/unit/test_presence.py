@@ -363,3 +363,109 @@ def test_a_card_without_presence_gives_no_challenge() -> None:
             book.presence_ask(CARD.id, None, tb.EPOCH, False)
 
     run(scenario)
+
+
+# -- audit verify's fold: every presence record checked again, offline --------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rec:
+    seq: int
+    type: str
+    meta: dict[str, Any]
+    boot: str = "boot_a"
+
+
+class Journal:
+    """The plaintext of a journal's presence records, as the gateway writes them."""
+
+    def __init__(self) -> None:
+        self.recs: list[Rec] = []
+
+    def add(self, kind: str, **meta: Any) -> None:
+        self.recs.append(Rec(len(self.recs) + 1, kind, meta))
+
+    def signed(self, soft: SoftAuthenticator, card: str, **sign: Any) -> None:
+        digest, nonce = "d" * 64, presence.b64url(bytes([len(self.recs)]) * 32)
+        challenge = presence.approval_challenge(digest, presence.unb64url(nonce), None)
+        proof = Proof.from_browser(soft.sign(challenge, sign.pop("origin", ORIGIN), **sign))
+        self.add(
+            "presence_signed",
+            card=card,
+            card_digest=digest,
+            nonce=nonce,
+            grant=None,
+            credential=proof.credential_id,
+            proof=proof.as_json(),
+        )
+
+
+def journal_with(soft: SoftAuthenticator) -> Journal:
+    j = Journal()
+    j.add("console_started", origin=ORIGIN, rp_id=RP_ID)
+    j.add("operator_enrolled", **enrolled(soft).as_json())
+    return j
+
+
+def problems(j: Journal) -> list[str]:
+    return [f.words for f in presence.audit(j.recs) if f.problem]
+
+
+def test_a_journal_of_good_signatures_has_no_problem() -> None:
+    soft = SoftAuthenticator()
+    j = journal_with(soft)
+    j.add("card_raised", card="cc_1", presence=1)
+    j.signed(soft, "cc_1")
+    j.add("card_closed", card="cc_1", answer="approved")
+    assert presence.audit(j.recs) == []
+
+
+def test_an_approval_without_its_signatures_is_named() -> None:
+    soft = SoftAuthenticator()
+    j = journal_with(soft)
+    j.add("card_raised", card="cc_1", presence=2)
+    j.signed(soft, "cc_1")
+    j.add("card_closed", card="cc_1", answer="approved")
+    assert problems(j) == [
+        "card cc_1 is recorded approved with 1 valid presence signature(s) of the 2 its "
+        "account asks"
+    ]
+
+
+def test_a_forged_signature_is_named_and_does_not_count() -> None:
+    soft, forger = SoftAuthenticator(), SoftAuthenticator()
+    forger.credential_id = soft.credential_id
+    j = journal_with(soft)
+    j.add("card_raised", card="cc_1", presence=1)
+    j.signed(forger, "cc_1")
+    j.add("card_closed", card="cc_1", answer="approved")
+    found = problems(j)
+    assert "does not hold: its signature does not verify" in found[0]
+    assert "recorded approved with 0 valid" in found[1]
+
+
+def test_a_signature_after_removal_or_from_another_origin_is_named() -> None:
+    soft = SoftAuthenticator()
+    j = journal_with(soft)
+    j.signed(soft, "cc_1", origin="http://localhost:9999")
+    j.add("operator_removed", id=soft.id, name="alice")
+    j.signed(soft, "cc_2")
+    found = problems(j)
+    assert "another origin" in found[0] and "not enrolled" in found[1]
+
+
+def test_a_counter_going_backwards_is_named() -> None:
+    soft = SoftAuthenticator()
+    j = journal_with(soft)
+    j.signed(soft, "cc_1", count=10)
+    j.signed(soft, "cc_2", count=4)  # a clone of the key, behind the original
+    assert "sign counter did not rise" in problems(j)[0]
+
+
+def test_a_signature_the_gateway_refused_is_told_not_a_problem() -> None:
+    soft = SoftAuthenticator()
+    j = journal_with(soft)
+    j.add("presence_refused", card="cc_1", credential=soft.id, flaw="counter")
+    found = presence.audit(j.recs)
+    assert [f.problem for f in found] == [False]
+    assert "refused by the gateway: its sign counter did not rise" in found[0].words
