@@ -24,7 +24,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.harness import PASSPHRASE, Bastion, cli_argv, wait_for, write_bastion_toml
+from tests.harness import PASSPHRASE, Agent, Bastion, cli_argv, wait_for, write_bastion_toml
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -231,3 +231,68 @@ def next_card(b: Bastion, kind: str, timeout: float = WAIT) -> dict[str, Any]:
 
     wait_for(there, timeout)
     return found[0]
+
+
+def approve(web: Browser, card_id: str) -> None:
+    card_element(web, card_id).find_element("css selector", ".approve").click()
+
+
+def first_command(b: Bastion, web: Browser, agent: Agent, command: str) -> int:
+    """Start `command`; approve its session card in the console; return its request."""
+    rid = agent.start(command)
+    approve(web, next_card(b, "session")["id"])
+    return rid
+
+
+@dataclass
+class Stolen:
+    """What a process of the operator's uid can take from a logged-in browser: the
+    cookie (its profile is readable) and the CSRF token (the state API gives it to the
+    cookie). It speaks HTTP to the console as it likes: any header, any Origin."""
+
+    origin: str
+    cookie: str
+    csrf: str = ""
+
+    @classmethod
+    def from_browser(cls, web: Browser, origin: str) -> Stolen:
+        cookie = web.cookie("bastion_console")
+        assert cookie, "the browser is not logged in"
+        thief = cls(origin, cookie)
+        status, state = thief.request("GET", "/api/state")
+        assert status == 200 and state["login"], state
+        thief.csrf = state["login"]["csrf"]
+        return thief
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str | None] | None = None,
+    ) -> tuple[int, Any]:
+        """One request, with the page's headers unless `headers` says otherwise."""
+        import http.client
+        import json
+
+        host, port = self.origin.removeprefix("http://").split(":")
+        sent = {
+            "Host": f"{host}:{port}",
+            "Origin": self.origin,
+            "Cookie": f"bastion_console={self.cookie}",
+            "X-CSRF-Token": self.csrf,
+            "Content-Type": "application/json",
+        } | (headers or {})
+        sent = {k: v for k, v in sent.items() if v is not None}
+        conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=WAIT)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers=sent)
+            response = conn.getresponse()
+            raw = response.read()
+        finally:
+            conn.close()
+        try:
+            return response.status, json.loads(raw)
+        except ValueError:
+            return response.status, raw.decode(errors="replace")

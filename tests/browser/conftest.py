@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.browser_helper import Browser, browser_missing, enable_console
+from tests.browser_helper import Browser, browser_missing, enable_console, enroll, log_in
 from tests.harness import Bastion, make_bastion, policy_toml
 
 
@@ -40,7 +40,7 @@ def presence_bastion(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> Iterator[tuple[Bastion, str]]:
     """A gateway whose one account asks presence, its console on; and the console's
-    origin. A short card timeout: a card nobody approves ends the test quickly."""
+    origin. A card waits a minute: long enough for a browser on a loaded machine."""
     policy = policy_toml(sshd, approval="per-command", presence="required")
     b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
     origin = enable_console(b)
@@ -51,3 +51,16 @@ def presence_bastion(
         yield b, origin
     finally:
         b.close()
+
+
+@pytest.fixture
+def console(
+    presence_bastion: tuple[Bastion, str], web: Browser
+) -> Iterator[tuple[Bastion, str, Browser]]:
+    """The presence gateway with one credential (alice's) enrolled and logged in."""
+    b, origin = presence_bastion
+    web.authenticator()
+    got = enroll(b, web, "alice", origin)
+    assert "enrolled 'alice'" in got["out"], got
+    log_in(web, origin)
+    yield b, origin, web

@@ -17,14 +17,16 @@ import pytest
 from bastion.devtools.sshd_fixture import SshdInfo
 from tests.browser_helper import (
     Browser,
+    approve,
     browser,
     card_element,
     enable_console,
     enroll,
+    first_command,
     log_in,
     next_card,
 )
-from tests.harness import PASSPHRASE, Agent, Bastion, make_bastion, policy_toml
+from tests.harness import PASSPHRASE, Bastion, make_bastion, policy_toml
 
 
 def rid_of(b: Bastion, command: str) -> str:
@@ -33,36 +35,12 @@ def rid_of(b: Bastion, command: str) -> str:
     return next(r["request_id"] for r in rows if r["command"] == command)
 
 
-def approve(web: Browser, card_id: str) -> None:
-    card_element(web, card_id).find_element("css selector", ".approve").click()
-
-
-def first_command(b: Bastion, web: Browser, agent: Agent, command: str) -> int:
-    """Start `command`; approve its session card in the console; return its request."""
-    rid = agent.start(command)
-    approve(web, next_card(b, "session")["id"])
-    return rid
-
-
 def journal_types(b: Bastion) -> list[str]:
     out = b.cli("audit", "verify", "--json").stdout
     assert json.loads(out)["ok"], out
     from bastion import journal
 
     return [r.type for r in journal.records(b.home.journal)]
-
-
-@pytest.fixture
-def console(
-    presence_bastion: tuple[Bastion, str], web: Browser
-) -> Iterator[tuple[Bastion, str, Browser]]:
-    """The presence gateway with one credential (alice's) enrolled and logged in."""
-    b, origin = presence_bastion
-    web.authenticator()
-    got = enroll(b, web, "alice", origin)
-    assert "enrolled 'alice'" in got["out"], got
-    log_in(web, origin)
-    yield b, origin, web
 
 
 def test_a_card_raised_by_real_ssh_is_approved_by_a_signature_and_runs(

@@ -153,6 +153,8 @@ function listen() {
 // -- enrolling ----------------------------------------------------------------------------
 
 function showEnroll() {
+  // `bastion operator enroll` again in the same tab changes only the fragment: start over
+  window.addEventListener("hashchange", () => location.reload());
   show("#enroll", true);
   $("#enroll-button").addEventListener("click", enroll);
 }
