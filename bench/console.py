@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -48,11 +49,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import psutil  # noqa: E402
 from load import TMP, Rig, bench_sshd, one_round, pct  # noqa: E402  (bench/load.py)
-from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-import psutil  # noqa: E402
 from tests.browser_helper import (  # noqa: E402
     WAIT,
     Browser,
@@ -65,11 +65,26 @@ from tests.browser_helper import (  # noqa: E402
 from tests.harness import Agent, Bastion, make_bastion, policy_toml  # noqa: E402
 
 COMMAND = "true"
+# What is timed of each card, from its created_at: the page's clock for the first and
+# the middle three, the bench's for the click's call and the agent's result.
+STAGES = {
+    "shown": "card in the page's DOM",
+    "clicked": "the bench sent the click",
+    "click": "the click reached the page",
+    "challenge": "the page asked for a challenge",
+    "signed": "the signature's answer in the page",
+    "ran": "the command ran",
+}
 MAX_PER_BROWSER = 5  # Chromium's 6 connections per host, one left for the page's fetches
 
 # Installed once in a logged-in page: when each card first entered the DOM (epoch ms).
 SEEN_JS = """
 window.__benchSeen = {};
+window.__benchClick = {};
+document.addEventListener("click", (e) => {
+  const card = e.target.closest && e.target.closest("[data-card]");
+  if (card) window.__benchClick[card.dataset.card] = performance.timeOrigin + e.timeStamp;
+}, true);
 performance.setResourceTimingBufferSize(100000);
 const note = () => {
   for (const el of document.querySelectorAll("[data-card]")) {
@@ -81,14 +96,18 @@ const note = () => {
 new MutationObserver(note).observe(document.body, {childList: true, subtree: true});
 note();
 """
-# Async: returns once the card's Approve button is displayed, with when the card was seen.
+# Async: once the card's Approve button is displayed, scrolled into view, when the card
+# was seen and where the button's middle is.
 BUTTON_JS = """
 const [id, done] = arguments;
 const sel = `[data-card="${CSS.escape(id)}"] .approve`;
 const ready = () => {
   const b = document.querySelector(sel);
   if (!b || b.offsetParent === null) return false;
-  done(window.__benchSeen[id] || performance.timeOrigin + performance.now());
+  b.scrollIntoView({block: "center"});
+  const r = b.getBoundingClientRect();
+  const seen = window.__benchSeen[id] || performance.timeOrigin + performance.now();
+  done([seen, r.left + r.width / 2, r.top + r.height / 2]);
   return true;
 };
 if (!ready()) {
@@ -96,22 +115,44 @@ if (!ready()) {
   obs.observe(document.body, {childList: true, subtree: true, attributes: true});
 }
 """
-# When the page's challenge request for a card left and its signature's answer came back.
+# When the click on a card reached the page, the page's challenge request for it left and
+# its signature's answer came back.
 TIMING_JS = """
 const tail = `/api/cards/${encodeURIComponent(arguments[0])}/`;
-const entry = (n) => performance.getEntriesByType("resource").find((r) => r.name.endsWith(tail + n));
+const entries = performance.getEntriesByType("resource");
+const entry = (n) => entries.find((r) => r.name.endsWith(tail + n));
 const c = entry("challenge"), s = entry("sign");
 return {
+  click: window.__benchClick[arguments[0]] || null,
   challenge: c ? performance.timeOrigin + c.startTime : null,
   signed: s && s.responseEnd > 0 ? performance.timeOrigin + s.responseEnd : null,
 };
 """
-# A tab that is logged in, shows the Cards view and holds its event stream open.
+# A tab that is logged in, shows the Cards view and holds its event stream open
+# (`state` is console.js's own, a global of the page).
 READY_JS = """
 const app = document.querySelector("#app"), cards = document.querySelector("#tab-cards");
 return !!(app && !app.hidden && cards && !cards.hidden && typeof state === "object"
           && state.stream && state.stream.readyState === 1 && state.snapshot);
 """
+# Count the snapshots the tab's stream brings from now on.
+COUNT_JS = """
+window.__benchSnaps = 0;
+window.__benchStream = state.stream;
+state.stream.addEventListener("snapshot", () => { window.__benchSnaps += 1; });
+"""
+# A console tab's state: ready, and the snapshots its stream brought (null for a blank
+# tab; `same`: the stream is the one counted, not one reopened since).
+STATE_JS = (
+    """
+if (location.protocol === "about:") return null;
+const ready = (() => {"""
+    + READY_JS
+    + """})();
+return {ready, snapshots: window.__benchSnaps ?? null,
+        same: typeof state === "object" && state.stream === window.__benchStream};
+"""
+)
 
 
 def keygen(root: Path) -> tuple[Path, str]:
@@ -123,6 +164,16 @@ def keygen(root: Path) -> tuple[Path, str]:
 
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(xs), "p95_ms": pct(xs, 95), "min_ms": min(xs)}
+
+
+@contextlib.contextmanager
+def entered(rig: Rig) -> Iterator[Rig]:
+    """`with rig`, but closed also when its start fails half-way (its sshd running, its
+    gateway maybe), which `Rig.__enter__` leaves to its caller."""
+    try:
+        yield rig.__enter__()
+    finally:
+        rig.__exit__(None, None, None)
 
 
 @contextlib.contextmanager
@@ -162,9 +213,11 @@ def presence_rig(root: Path) -> Iterator[tuple[Bastion, str]]:
         sshd.stop()
 
 
-def wait_card(b: Bastion, kind: str, seen: set[str], timeout: float = WAIT) -> dict[str, Any]:
+def wait_card(
+    b: Bastion, kind: str, seen: set[str], web: Browser, timeout: float = WAIT
+) -> dict[str, Any]:
     """The first pending card of `kind` not in `seen` (a card just answered may still be
-    listed for a moment)."""
+    listed for a moment); if none comes, what the page says is in the error."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         fresh = [c for c in b.op("pending", wait=1) if c["kind"] == kind and c["id"] not in seen]
@@ -172,16 +225,19 @@ def wait_card(b: Bastion, kind: str, seen: set[str], timeout: float = WAIT) -> d
             seen.add(fresh[0]["id"])
             return fresh[0]
         time.sleep(0.005)
-    raise RuntimeError(f"no new {kind} card within {timeout:.0f} s")
+    page = " ".join(web.text().split())[:1500]
+    raise RuntimeError(f"no new {kind} card within {timeout:.0f} s; the page says: {page}")
 
 
 def click_approve(web: Browser, card_id: str) -> dict[str, float]:
     """Wait until the page shows the card, click its Approve button: the epoch times
-    (s) the card entered the DOM and the click was made."""
-    shown_ms = web.script(BUTTON_JS, card_id)
-    button = web.driver.find_element(By.CSS_SELECTOR, f'[data-card="{card_id}"] .approve')
+    (s) the card entered the DOM and the click was sent. The click is the mouse's, as
+    the DevTools protocol sends it (a trusted event, as a person's): WebDriver's own click
+    spent about 70 ms on this machine finding the element before it clicked."""
+    shown_ms, x, y = web.script(BUTTON_JS, card_id)
     clicked = time.time()
-    button.click()
+    for kind in ("mousePressed", "mouseReleased"):
+        web.cdp("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
     return {"shown": shown_ms / 1e3, "clicked": clicked}
 
 
@@ -211,7 +267,7 @@ def cards(root: Path, n: int) -> dict[str, Any]:
         # The first command: its session card, then its own command card. Not counted.
         rid = agent.start(COMMAND)
         for kind in ("session", "command"):
-            click_approve(web, wait_card(b, kind, seen)["id"])
+            click_approve(web, wait_card(b, kind, seen, web)["id"])
         first = agent.wait(rid, timeout=60)
         if first.rc != 0:
             raise RuntimeError(f"the first command failed: {first.stderr.strip()}")
@@ -219,7 +275,7 @@ def cards(root: Path, n: int) -> dict[str, Any]:
         failed: list[str] = []
         for _ in range(n):
             rid = agent.start(COMMAND)
-            card = wait_card(b, "command", seen)
+            card = wait_card(b, "command", seen, web)
             times = click_approve(web, card["id"])
             r = agent.wait(rid, timeout=60)
             times["ran"] = time.time()
@@ -234,7 +290,7 @@ def cards(root: Path, n: int) -> dict[str, Any]:
             )
         agent.close()
     out: dict[str, Any] = {"cards": n, "counted": len(samples), "failed": failed}
-    for stage in ("shown", "clicked", "challenge", "signed", "ran"):
+    for stage in STAGES:
         xs = [s[stage] for s in samples if s.get(stage) is not None]
         out[stage] = summary(xs) if xs else None
     out["samples"] = samples
@@ -247,22 +303,19 @@ def cards_report(r: dict[str, Any]) -> str:
         "approved in the console with Chromium's virtual authenticator), ms from the card's "
         "created_at:"
     ]
-    rows = (
-        ("shown", "card in the page's DOM"),
-        ("clicked", "Approve clicked (the bench saw it)"),
-        ("challenge", "the page asked for a challenge"),
-        ("signed", "the signature's answer in the page"),
-        ("ran", f"the command ran (`{COMMAND}` and ssh's exit included)"),
-    )
-    for key, label in rows:
+    for key, label in STAGES.items():
         s = r[key]
         if s is None:
-            lines.append(f"  {label:46} -")
+            lines.append(f"  {label:38} -")
             continue
         lines.append(
-            f"  {label:46} median {s['median_ms']:7.1f}  p95 {s['p95_ms']:7.1f}  "
+            f"  {label:38} median {s['median_ms']:7.1f}  p95 {s['p95_ms']:7.1f}  "
             f"min {s['min_ms']:7.1f}"
         )
+    lines.append(
+        f"  (the command ran: the agent's result, so `{COMMAND}` on the target and ssh's exit "
+        "are in it)"
+    )
     if r["failed"]:
         lines.append(f"  failed: {len(r['failed'])}: " + "; ".join(r["failed"][:3]))
     return "\n".join(lines)
@@ -314,9 +367,25 @@ def show_tabs(webs: list[Browser], tabs: int, origin: str | None) -> None:
     for web, handle in opened:
         web.driver.switch_to.window(handle)
         try:
-            web.until(lambda: web.driver.execute_script(READY_JS))
+            WebDriverWait(web.driver, WAIT, poll_frequency=0.05).until(
+                lambda d: d.execute_script(READY_JS)
+            )
         except Exception:
             raise RuntimeError(f"a console tab did not open: {web.text()[:500]}") from None
+        web.driver.execute_script(COUNT_JS)
+
+
+def tab_states(webs: list[Browser]) -> list[dict[str, Any]]:
+    """Each console tab's state (STATE_JS); blank tabs left out."""
+    out = []
+    for web in webs:
+        d = web.driver
+        for handle in d.window_handles:
+            d.switch_to.window(handle)
+            got = d.execute_script(STATE_JS)
+            if got is not None:
+                out.append(got)
+    return out
 
 
 def console_conns(pid: int, port: int) -> int:
@@ -338,6 +407,13 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
     return out
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat, all cores)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
@@ -348,7 +424,7 @@ def tabs_load(
     port = free_port()
     origin = f"http://localhost:{port}"
     toml = f"[console]\nenabled = true\nport = {port}\n"
-    with Rig(root, bastion_toml=toml) as rig, browsers() as made:
+    with entered(Rig(root, bastion_toml=toml)) as rig, browsers() as made:
         b = rig.bastion
         assert b is not None
         webs = tab_browsers(b, origin, tabs, per_browser, made)
@@ -359,19 +435,25 @@ def tabs_load(
         show_tabs(webs, tabs, origin)
         one_round(agents, 1, None)  # the tabs' first snapshots of every session
         show_tabs(webs, tabs, None)
-        runs: dict[str, list[dict[str, Any]]] = {"none": [], "tabs": []}
+        runs: dict[str, list[dict[str, Any]]] = {"none": [], "open": []}
         for _ in range(rounds):
-            for kind in ("none", "tabs"):
-                show_tabs(webs, tabs, origin if kind == "tabs" else None)
+            for kind in ("none", "open"):
+                show_tabs(webs, tabs, origin if kind == "open" else None)
                 time.sleep(0.5)  # the pages settle; a closed stream's handler ends
                 conns = console_conns(gw, port)
-                gw0, web0 = cpu_of([gw]), cpu_of(drivers)
+                before = tab_states(webs)
+                gw0, web0, busy0 = cpu_of([gw]), cpu_of(drivers), machine_busy()
                 r = one_round(agents, commands, None)
+                r["machine_cpu_s"] = machine_busy() - busy0
                 r["gateway_cpu_s"] = cpu_spent(gw0, cpu_of([gw]))
                 r["browsers_cpu_s"] = cpu_spent(web0, cpu_of(drivers))
+                after = tab_states(webs)
                 r["console_conns"] = conns
-                if kind == "tabs":  # every tab still holds its stream at the round's end
-                    r["tabs_ready"] = sum(tab_ready(w) for w in webs)
+                # Every tab still holds the stream it had at the start, and what it brought.
+                r["tabs_ready"] = sum(t["ready"] and t["same"] for t in after)
+                r["snapshots"] = sum(t["snapshots"] for t in after) - sum(
+                    t["snapshots"] for t in before
+                )
                 runs[kind].append(r)
         show_tabs(webs, tabs, None)
         for a in agents:
@@ -397,22 +479,17 @@ def tabs_load(
             "error_lines": sorted({e for r in rs for e in r["errors"]})[:5],
             "gateway_cpu_ms_per_command": sum(r["gateway_cpu_s"] for r in rs) / count * 1e3,
             "browsers_cpu_share": sum(r["browsers_cpu_s"] for r in rs) / wall,
+            "machine_busy_cores": sum(r["machine_cpu_s"] for r in rs) / wall,
             "console_conns": [r["console_conns"] for r in rs],
         }
-    out["tabs"] |= {"ready_at_end": [r["tabs_ready"] for r in runs["tabs"]]}
-    out["ratio_throughput"] = out["tabs"]["commands_per_s"] / out["none"]["commands_per_s"]
-    out["ratio_p95"] = out["tabs"]["p95_ms"] / out["none"]["p95_ms"]
+    out["open"] |= {
+        "ready_at_end": [r["tabs_ready"] for r in runs["open"]],
+        "snapshots_per_command": sum(r["snapshots"] for r in runs["open"])
+        / sum(len(r["lat"]) for r in runs["open"]),
+    }
+    out["ratio_throughput"] = out["open"]["commands_per_s"] / out["none"]["commands_per_s"]
+    out["ratio_p95"] = out["open"]["p95_ms"] / out["none"]["p95_ms"]
     return out
-
-
-def tab_ready(web: Browser) -> int:
-    """How many of this browser's tabs are logged in with their stream open."""
-    d = web.driver
-    ready = 0
-    for handle in d.window_handles:
-        d.switch_to.window(handle)
-        ready += bool(d.execute_script(READY_JS))
-    return ready
 
 
 def tabs_report(r: dict[str, Any]) -> str:
@@ -423,23 +500,30 @@ def tabs_report(r: dict[str, Any]) -> str:
         f"{r['tabs_per_browser']} tabs, each logged in, Cards view, its event stream open) "
         "against none:"
     ]
-    for kind, label in (("none", "no console"), ("tabs", f"{n} tabs")):
+    for kind, label in (("none", "no console"), ("open", f"{n} tabs")):
         p = r[kind]
         lines.append(
             f"  {label:10} {p['commands_per_s']:6.2f} commands/s (rounds "
             + ", ".join(f"{x:.2f}" for x in p["by_round"])
             + f")  p50 {p['p50_ms']:6.0f} ms  p95 {p['p95_ms']:6.0f} ms  errors {p['errors']}"
-            + f"  gateway CPU {p['gateway_cpu_ms_per_command']:.2f} ms/command"
-            + f"  browsers {p['browsers_cpu_share']:.0%} of a core"
             + (f" ({'; '.join(p['error_lines'])})" if p["error_lines"] else "")
         )
-    t = r["tabs"]
+        lines.append(
+            f"  {'':10} gateway CPU {p['gateway_cpu_ms_per_command']:.2f} ms/command, browsers "
+            f"{p['browsers_cpu_share']:.2f} cores, the machine {p['machine_busy_cores']:.2f} of "
+            f"{os.cpu_count()} cores busy"
+        )
+    t = r["open"]
     lines.append(
         f"  {n} tabs / none: throughput {r['ratio_throughput']:.3f}x "
-        f"({r['ratio_throughput'] - 1:+.1%}), p95 {r['ratio_p95']:.2f}x; console connections at "
-        f"the gateway at each round's start: none {r['none']['console_conns']}, tabs "
-        f"{t['console_conns']}; tabs with their stream open at each tab round's end "
-        f"{t['ready_at_end']}"
+        f"({r['ratio_throughput'] - 1:+.1%}), p95 {r['ratio_p95']:.2f}x"
+    )
+    lines.append(
+        f"  console connections at the gateway at each round's start: none "
+        f"{r['none']['console_conns']}, tabs {t['console_conns']}; tabs with their stream open "
+        f"at each tab round's end {t['ready_at_end']}; snapshots the tabs received: "
+        f"{t['snapshots_per_command']:.2f} per command ({t['snapshots_per_command'] / n:.2f} "
+        "per tab)"
     )
     return "\n".join(lines)
 
@@ -466,6 +550,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.tabs_per_browser <= MAX_PER_BROWSER:
         ap.error(f"--tabs-per-browser must be 1 to {MAX_PER_BROWSER}")
+    if args.tabs < 1 or args.cards < 1:
+        ap.error("--tabs and --cards must be at least 1 (--no-tabs, --no-cards skip a part)")
     missing = browser_missing()
     if missing:
         raise SystemExit(f"bench/console.py needs Chromium: {missing}")

@@ -28,13 +28,13 @@ class SoftAuthenticator:
     key: ec.EllipticCurvePrivateKey = field(
         default_factory=lambda: ec.generate_private_key(ec.SECP256R1())
     )
-    credential_id: bytes = field(default_factory=lambda: os.urandom(16))
+    signer_id: bytes = field(default_factory=lambda: os.urandom(16))
     count: int = 0
     aaguid: bytes = bytes(16)
 
     @property
     def id(self) -> str:
-        return b64url(self.credential_id)
+        return b64url(self.signer_id)
 
     def cose(self) -> bytes:
         n = self.key.public_key().public_numbers()
@@ -45,7 +45,7 @@ class SoftAuthenticator:
     def _auth_data(self, rp_id: str, flags: int, count: int, attested: bool) -> bytes:
         data = hashlib.sha256(rp_id.encode()).digest() + bytes([flags]) + struct.pack(">I", count)
         if attested:
-            cid = self.credential_id
+            cid = self.signer_id
             data += self.aaguid + struct.pack(">H", len(cid)) + cid + self.cose()
         return data
 

@@ -1,6 +1,6 @@
 """`bastion operator` (the authenticators that sign presence cards) and `bastion console`.
 
-Enrolling is three steps (`gateway/operators.py` says why): the passphrase here,
+Enrolling is three steps (`gateway/signers.py` says why): the passphrase here,
 the authenticator in the console's page, then the code that page shows, typed
 here. A registration nobody typed the code of is not kept.
 """
@@ -72,7 +72,7 @@ def enroll(
     code_stdin: bool,
 ) -> None:
     """Enroll an authenticator: prove the passphrase, register it in the console's page,
-    then type the code that page shows. The credential's public half is journaled."""
+    then type the code that page shows. The signer's public half is journaled."""
     home = home_of(ctx)
     name = name or f"{getpass.getuser()}@{socket.gethostname()}"
     passphrase = read_passphrase(passphrase_stdin, use_keyring, home)
@@ -81,7 +81,7 @@ def enroll(
         "operator_enroll",
         timeout=60,
         passphrase=base64.b64encode(passphrase).decode(),
-        credential_name=name,
+        signer_name=name,
     )
     url, token = begun["url"], begun["token"]
     click.echo(f"Open this page to register the authenticator {escape_text(name)!r}:\n  {url}")
@@ -97,7 +97,7 @@ def enroll(
         code = click.prompt("The code the page shows").strip()
     cred = op(ctx, "operator_enroll_confirm", timeout=30, token=token, code=code)
     click.echo(
-        f"enrolled {escape_text(cred['name'])!r}: credential {cred['id'][:16]}..., "
+        f"enrolled {escape_text(cred['name'])!r}: signer {cred['id'][:16]}..., "
         f"authenticator {cred['aaguid']}, attestation {cred['fmt']!r}"
     )
 
@@ -107,7 +107,7 @@ def enroll(
 @width_option()
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool, width: int | None) -> None:
-    """The enrolled credentials: name, id, authenticator model, when, sign counter."""
+    """The enrolled signers: name, id, authenticator model, when, sign counter."""
     rows = op(ctx, "operator_list", timeout=10)
 
     def text(rs: list[dict[str, object]]) -> str:
@@ -117,27 +117,27 @@ def list_(ctx: click.Context, as_json: bool, width: int | None) -> None:
             f"  count {r['sign_count']}"
             for r in rs
         ]
-        return "\n".join(lines) or "(no credential enrolled: `bastion operator enroll`)"
+        return "\n".join(lines) or "(no signer enrolled: `bastion operator enroll`)"
 
     emit(rows, as_json, text)
 
 
 @operator.command()
-@click.argument("credential")
+@click.argument("signer")
 @passphrase_option()
 @click.option(
     "--keyring", "use_keyring", is_flag=True, help="Read the passphrase from the keyring."
 )
 @click.pass_context
-def remove(ctx: click.Context, credential: str, passphrase_stdin: bool, use_keyring: bool) -> None:
-    """Remove an enrolled credential (its name or id): it signs nothing from now on."""
+def remove(ctx: click.Context, signer: str, passphrase_stdin: bool, use_keyring: bool) -> None:
+    """Remove an enrolled signer (its name or id): it signs nothing from now on."""
     passphrase = read_passphrase(passphrase_stdin, use_keyring, home_of(ctx))
     gone = op(
         ctx,
         "operator_remove",
         timeout=60,
         passphrase=base64.b64encode(passphrase).decode(),
-        credential=credential,
+        signer=signer,
     )
     click.echo(f"removed {escape_text(gone['name'])!r} ({gone['removed'][:16]}...)")
 

@@ -56,7 +56,7 @@ class BastionError(Exception):
         ├── gateway.admission.NoSlot -- no in-flight slot freed up within the wait
         ├── gateway.agent_ssh.TooManyConnections -- a tenant, or all agents, hold their share
         ├── gateway.approvals.CardError -- an operator answer that cannot be applied
-        ├── gateway.operators.OperatorsError -- an enrolment or removal that cannot be done
+        ├── gateway.signers.SignersError -- an enrolment or removal that cannot be done
         ├── gateway.console.ConsoleError -- a console request refused, with its HTTP status
         ├── gateway.export.StreamStopped -- the gateway ends an export stream
         ├── ca.openbao.LoginError [ValueError] -- a sealed login of neither shape

@@ -1,7 +1,7 @@
 """Presence: approvals signed by an enrolled authenticator, over the exact card.
 
 An account with `presence = "required"` (`policy.Presence`) is approved only by
-WebAuthn assertions: each one a signature, by a credential the operator enrolled
+WebAuthn assertions: each one a signature, by a signer the operator enrolled
 with the vault passphrase, over a challenge that commits to the card's digest
 (`card_digest`: target, account, binding, argv, file, card id, gateway boot,
 vault epoch) and a fresh nonce (`approval_challenge`). A process of the
@@ -122,11 +122,13 @@ class PresenceError(BastionError, ValueError):
 
 
 @dataclass(frozen=True)
-class Credential:
-    """An enrolled authenticator's credential: what the gateway checks signatures with,
-    and what the journal records at enrolment (all public)."""
+class Signer:
+    """An enrolled WebAuthn credential -- a key pair in a passkey, a security key or a
+    phone -- that signs presence cards: what the gateway checks signatures with, and
+    what the journal records at enrolment (all public). Not the policy's `credential`,
+    which names an SSH key in the vault."""
 
-    id: str  # the credential id, base64url
+    id: str  # its WebAuthn credential id, base64url
     name: str  # the operator's name for it, shown on cards it signs
     public_key: str  # COSE_Key, base64url
     aaguid: str  # the authenticator model (zeros: not told)
@@ -148,7 +150,7 @@ class Credential:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Credential:
+    def from_json(cls, doc: dict[str, Any]) -> Signer:
         try:
             return cls(
                 id=str(doc["id"]),
@@ -161,14 +163,14 @@ class Credential:
                 enrolled_at=float(doc["enrolled_at"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise PresenceError(f"not an enrolled credential: {exc}") from None
+            raise PresenceError(f"not an enrolled signer: {exc}") from None
 
 
 def check_name(name: str) -> str:
-    """A credential's name: shown on cards, so printable, short, one line."""
+    """A signer's name: shown on cards, so printable, short, one line."""
     if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
         raise PresenceError(
-            f"a credential's name is 1 to {MAX_NAME} printable characters, "
+            f"a signer's name is 1 to {MAX_NAME} printable characters, "
             "without leading or trailing spaces"
         )
     return name
@@ -182,7 +184,7 @@ def enrolled_from(
     origin: str,
     name: str,
     now: float,
-) -> tuple[Credential, int]:
+) -> tuple[Signer, int]:
     """The credential a browser's `navigator.credentials.create()` answer registers (with
     presence required), and its sign counter at enrolment; PresenceError (the library's
     words) if it does not hold."""
@@ -196,7 +198,7 @@ def enrolled_from(
         )
     except (InvalidRegistrationResponse, ValueError, KeyError, TypeError) as exc:
         raise PresenceError(f"the authenticator's registration does not hold: {exc}") from None
-    return Credential(
+    return Signer(
         id=b64url(verified.credential_id),
         name=check_name(name),
         public_key=b64url(verified.credential_public_key),
@@ -213,7 +215,7 @@ class Proof:
     """One assertion as the browser gave it (`PublicKeyCredential.toJSON()`): what the
     journal keeps, so `audit verify` can check it again with no gateway."""
 
-    credential_id: str  # base64url
+    signer_id: str  # base64url
     authenticator_data: str  # base64url
     client_data_json: str  # base64url
     signature: str  # base64url
@@ -241,7 +243,7 @@ class Proof:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "credential_id": self.credential_id,
+            "signer_id": self.signer_id,
             "authenticator_data": self.authenticator_data,
             "client_data_json": self.client_data_json,
             "signature": self.signature,
@@ -252,7 +254,7 @@ class Proof:
     def from_json(cls, doc: dict[str, Any]) -> Proof:
         try:
             return cls(
-                credential_id=str(doc["credential_id"]),
+                signer_id=str(doc["signer_id"]),
                 authenticator_data=str(doc["authenticator_data"]),
                 client_data_json=str(doc["client_data_json"]),
                 signature=str(doc["signature"]),
@@ -263,8 +265,8 @@ class Proof:
 
     def _library_json(self) -> dict[str, Any]:
         return {
-            "id": self.credential_id,
-            "rawId": self.credential_id,
+            "id": self.signer_id,
+            "rawId": self.signer_id,
             "type": "public-key",
             "response": {
                 "authenticatorData": self.authenticator_data,
@@ -282,7 +284,7 @@ class Flaw(enum.Enum):
     """Why an assertion does not hold, one name per check."""
 
     MALFORMED = "malformed"
-    CREDENTIAL = "credential"  # no enrolled credential has its id (never, or removed)
+    SIGNER = "signer"  # no enrolled signer has its id (never enrolled, or removed)
     CHALLENGE = "challenge"  # signed for another card, another ask, or another purpose
     ORIGIN = "origin"  # made on a page of another origin than the console's
     RP_ID = "rp_id"  # the authenticator data's rpId hash is not the console's
@@ -298,7 +300,7 @@ class Flaw(enum.Enum):
 
 _FLAW_WORDS = {
     Flaw.MALFORMED: "the assertion is not well formed",
-    Flaw.CREDENTIAL: "its credential is not enrolled (never enrolled, or removed)",
+    Flaw.SIGNER: "its signer is not enrolled (never enrolled, or removed)",
     Flaw.CHALLENGE: "its challenge is not this card's (signed for another card or ask)",
     Flaw.ORIGIN: "it was made on a page of another origin than the console's",
     Flaw.RP_ID: "its rpId hash is not the console's",
@@ -311,17 +313,17 @@ _FLAW_WORDS = {
 
 @dataclass(frozen=True)
 class Checked:
-    """An assertion that holds: its credential, the counter it reported, and whether the
+    """An assertion that holds: its signer, the counter it reported, and whether the
     authenticator verified its user."""
 
-    credential_id: str
+    signer_id: str
     sign_count: int
     user_verified: bool
 
 
 def check(
     proof: Proof,
-    credential: Credential | None,
+    signer: Signer | None,
     *,
     challenge: bytes,
     origin: str,
@@ -332,8 +334,8 @@ def check(
     """The one check of an assertion: each field is read with the library's parsers
     first, so the flaw is named; then the library's own verification runs whole (the
     signature among it), so nothing a reader skipped is skipped."""
-    if credential is None or credential.id != proof.credential_id:
-        return Flaw.CREDENTIAL
+    if signer is None or signer.id != proof.signer_id:
+        return Flaw.SIGNER
     try:
         client = parse_client_data_json(unb64url(proof.client_data_json))
         auth = parse_authenticator_data(unb64url(proof.authenticator_data))
@@ -359,36 +361,36 @@ def check(
             expected_challenge=challenge,
             expected_rp_id=rp_id,
             expected_origin=origin,
-            credential_public_key=unb64url(credential.public_key),
+            credential_public_key=unb64url(signer.public_key),
             credential_current_sign_count=last_count,
             require_user_verification=user_verification,
         )
     except (InvalidAuthenticationResponse, ValueError, KeyError, TypeError):
         return Flaw.SIGNATURE
-    return Checked(proof.credential_id, verified.new_sign_count, verified.user_verified)
+    return Checked(proof.signer_id, verified.new_sign_count, verified.user_verified)
 
 
 @dataclass(frozen=True)
 class Signature:
     """One counted presence signature on a card."""
 
-    credential_id: str
+    signer_id: str
     name: str
     at: float
 
     def as_json(self) -> dict[str, object]:
-        return {"credential": self.credential_id, "name": self.name, "at": self.at}
+        return {"signer": self.signer_id, "name": self.name, "at": self.at}
 
 
 def signed_enough(rule: Presence, signatures: tuple[Signature, ...]) -> bool:
-    """N distinct credentials have signed: the card is approved."""
-    return len({s.credential_id for s in signatures}) >= rule.approvers
+    """N distinct signers have signed: the card is approved."""
+    return len({s.signer_id for s in signatures}) >= rule.approvers
 
 
-def second_signature(signatures: tuple[Signature, ...], credential_id: str) -> str | None:
-    """Why this credential may not sign again (one credential is one approver)."""
-    if any(s.credential_id == credential_id for s in signatures):
-        return "this credential has already signed this card; another approver must sign"
+def second_signature(signatures: tuple[Signature, ...], signer_id: str) -> str | None:
+    """Why this signer may not sign again (one signer is one approver)."""
+    if any(s.signer_id == signer_id for s in signatures):
+        return "this signer has already signed this card; another approver must sign"
     return None
 
 
@@ -426,11 +428,11 @@ class Finding:
 
 @dataclass
 class _Walk:
-    credentials: dict[str, Credential]
+    signers: dict[str, Signer]
     counts: dict[str, int]
     consoles: dict[str, tuple[str, str]]  # boot -> (origin, rp_id)
     asked: dict[str, int]  # card id -> approvers, for the presence cards raised
-    signed: dict[str, set[str]]  # card id -> credentials whose signature held
+    signed: dict[str, set[str]]  # card id -> signers whose signature held
     findings: list[Finding]
 
 
@@ -444,13 +446,13 @@ def audit(entries: Iterable[Entry]) -> list[Finding]:
         kind, meta = event_type(entry), entry.meta
         if kind is EventType.OPERATOR_ENROLLED:
             try:
-                cred = Credential.from_json(meta)
+                signer = Signer.from_json(meta)
             except PresenceError:
                 w.findings.append(Finding(entry.seq, "an enrolment record is malformed", True))
                 continue
-            w.credentials[cred.id], w.counts[cred.id] = cred, 0
+            w.signers[signer.id], w.counts[signer.id] = signer, 0
         elif kind is EventType.OPERATOR_REMOVED:
-            w.credentials.pop(str(meta.get("id")), None)
+            w.signers.pop(str(meta.get("id")), None)
         elif kind is EventType.CONSOLE_STARTED:
             w.consoles[entry.boot] = (str(meta.get("origin")), str(meta.get("rp_id")))
         elif kind is EventType.CARD_RAISED and meta.get("presence"):
@@ -463,7 +465,7 @@ def audit(entries: Iterable[Entry]) -> list[Finding]:
             w.findings.append(
                 Finding(
                     entry.seq,
-                    f"{what} by credential {str(meta.get('credential'))[:16]}... was refused "
+                    f"{what} by signer {str(meta.get('signer'))[:16]}... was refused "
                     f"by the gateway: {flaw.words if flaw else meta.get('flaw')}",
                     False,
                 )
@@ -505,20 +507,20 @@ def _signed(w: _Walk, entry: Entry, kind: EventType) -> None:
         w.findings.append(Finding(entry.seq, f"{what} is not a well-formed proof", True))
         return
     origin, rp_id = w.consoles.get(entry.boot, ("", ""))
-    cred = w.credentials.get(proof.credential_id)
+    signer = w.signers.get(proof.signer_id)
     got = check(
         proof,
-        cred,
+        signer,
         challenge=challenge,
         origin=origin,
         rp_id=rp_id,
         user_verification=bool(meta.get("user_verification")),
-        last_count=w.counts.get(proof.credential_id, 0),
+        last_count=w.counts.get(proof.signer_id, 0),
     )
     if isinstance(got, Flaw):
-        name = f" by {cred.name!r}" if cred is not None else ""
+        name = f" by {signer.name!r}" if signer is not None else ""
         w.findings.append(Finding(entry.seq, f"{what}{name} does not hold: {got.words}", True))
         return
-    w.counts[got.credential_id] = got.sign_count
+    w.counts[got.signer_id] = got.sign_count
     if not login:
-        w.signed.setdefault(str(meta.get("card")), set()).add(got.credential_id)
+        w.signed.setdefault(str(meta.get("card")), set()).add(got.signer_id)

@@ -288,11 +288,11 @@ class ApprovalBook:
     def sign_refusal(self, ask: PresenceAsk, signature: Signature) -> str | None:
         """Why this checked signature cannot count on its card (None: it can). Every
         signature on a card asks the same thing: the first one's grant (or none) is
-        what the others sign for; one credential is one approver."""
+        what the others sign for; one signer is one approver."""
         o = self._cards.get(ask.card.id)
         if o is None or o.future.done():
             return f"no pending card {ask.card.id} (answered, withdrawn or expired)"
-        if (why := second_signature(o.signatures, signature.credential_id)) is not None:
+        if (why := second_signature(o.signatures, signature.signer_id)) is not None:
             return why
         if o.signatures and o.signed_grant != ask.grant:
             return (

@@ -17,9 +17,9 @@ from typing import Any
 
 from bastion.gateway.approvals import ApprovalBook
 from bastion.gateway.authority import Authority
-from bastion.gateway.operators import Operators
 from bastion.gateway.recorder import PolicyWatch, Recorder
 from bastion.gateway.service import Edges, Outbound, Service, VaultState
+from bastion.gateway.signers import Signers
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,14 @@ def build_service(
     *,
     vouch: Callable[[], None] = lambda: None,
     unlocked: Callable[[], None] = lambda: None,
-    operators: Operators | None = None,
+    signers: Signers | None = None,
     **options: Any,
 ) -> Assembly:
     """The service over these parts, and the authority over the same book.
 
     `options` are `Service`'s own keyword parts (its signature says what each is:
     admission, certifier, witnessed, schedule, approval_timeout,
-    on_sessions_changed); `vouch`, `unlocked` and `operators` are the authority's:
+    on_sessions_changed); `vouch`, `unlocked` and `signers` are the authority's:
     have the journal vouch for what was written (at unlock and before a lock), what
     the lifetime does once the vault is unlocked, and who can sign presence cards.
     Both read liveness from `edges`."""
@@ -63,6 +63,6 @@ def build_service(
         kill=service.kill,
         vouch=vouch,
         unlocked=unlocked,
-        operators=operators,
+        signers=signers,
     )
     return Assembly(service, authority)

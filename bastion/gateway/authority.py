@@ -20,9 +20,9 @@ from bastion.core.opguard import Operator
 from bastion.core.presence import Flaw, Proof, Signature
 from bastion.core.subject import Subject
 from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk, PresenceAsk
-from bastion.gateway.operators import Operators
 from bastion.gateway.recorder import Recorder
 from bastion.gateway.service import VaultState
+from bastion.gateway.signers import Signers
 from bastion.vault import VaultError, WrongPassphrase
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Authority:
         kill: Callable[[str], Awaitable[None]],
         vouch: Callable[[], None] = lambda: None,
         unlocked: Callable[[], None] = lambda: None,
-        operators: Operators | None = None,
+        signers: Signers | None = None,
     ) -> None:
         self.vault = vault
         self.book = book
@@ -62,7 +62,7 @@ class Authority:
         self.kill = kill  # signal one, then stop waiting for it (`Service.kill`)
         self.vouch = vouch
         self.unlocked = unlocked  # what the lifetime does once the identity is at hand
-        self.operators = operators  # who can sign presence cards (None: nobody, in tests)
+        self.signers = signers  # who can sign presence cards (None: nobody, in tests)
         self._unlocking = asyncio.Lock()
         self._failures = 0  # wrong passphrases in a row
 
@@ -119,15 +119,15 @@ class Authority:
         ask = self.book.take_ask(card_id, nonce, self.vault.epoch, self.vault.locked)
         card = ask.card
         assert card.presence is not None
-        if self.operators is None:
-            raise CardError("no operator credentials are enrolled in this gateway")
-        got = self.operators.verify(proof, ask.challenge, card.presence.user_verification)
-        base = {"request_id": card.request_id, "card": card.id, "credential": proof.credential_id}
+        if self.signers is None:
+            raise CardError("no signer is enrolled in this gateway")
+        got = self.signers.verify(proof, ask.challenge, card.presence.user_verification)
+        base = {"request_id": card.request_id, "card": card.id, "signer": proof.signer_id}
         if isinstance(got, Flaw):
             self.recorder.record(EventType.PRESENCE_REFUSED, base | {"flaw": got.value})
             log.warning("%s: a signature for card %s refused: %s", card.request_id, card.id, got)
             raise CardError(f"signature refused: {got.words}")
-        cred = self.operators.credential(got.credential_id)
+        cred = self.signers.get(got.signer_id)
         assert cred is not None
         signature = Signature(cred.id, cred.name, self.book.clock())
         why = self.book.sign_refusal(ask, signature)
@@ -181,7 +181,7 @@ class Authority:
 
     async def prove_passphrase(self, passphrase: bytes) -> None:
         """The vault passphrase, checked as `unlock` checks it and with its backoff, so
-        guessing it through enrolling or removing a credential is no faster."""
+        guessing it through enrolling or removing a signer is no faster."""
         async with self._unlocking:
             try:
                 await asyncio.to_thread(self.vault.check_passphrase, passphrase)
@@ -205,14 +205,14 @@ class Authority:
         return ended
 
     def _vault_changed(self, locked: bool) -> None:
-        if self.operators is not None:
+        if self.signers is not None:
             if locked:
-                self.operators.forget()
+                self.signers.forget()
             else:
                 try:
-                    self.operators.load()
+                    self.signers.load()
                 except (VaultError, ValueError) as exc:
-                    log.error("the enrolled operator credentials cannot be read: %s", exc)
+                    log.error("the enrolled signers cannot be read: %s", exc)
         ended = self.book.end_sessions(lambda g: True, EndReason.VAULT_STATE_CHANGED)
         withdrawn = self.book.withdraw(
             lambda c: True, CardEnding.WITHDRAWN_LOCKED, Withdrawal.VAULT_LOCKED

@@ -13,7 +13,7 @@ What it trusts, and why each check is here:
   host), and only the console's own origin in every state-changing request's
   Origin header (another loopback port is another origin).
 * A login is itself an assertion; its cookie is HttpOnly, SameSite=Strict and
-  host-only, and it ends when the vault changes state or its credential is
+  host-only, and it ends when the vault changes state or its signer is
   removed. Each state-changing request carries the login's CSRF token in a
   header, which a page of another origin cannot read.
 * A stolen cookie and token still cannot approve a presence card: that takes a
@@ -56,7 +56,7 @@ from bastion.core.presence import (
 )
 from bastion.gateway.approvals import CardError
 from bastion.gateway.control import Control, GatewayView, grant_arg
-from bastion.gateway.operators import Operators, OperatorsError
+from bastion.gateway.signers import Signers, SignersError
 from bastion.ops.opsock import OperatorError
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ MAX_LOGIN_ASKS = 32
 MAX_BODY = 256 * 1024
 ACTIVITY_ROWS = 200
 PING = 15.0  # seconds between keep-alive comments on an event stream
+ACTIVITY_EVERY = 2.0  # seconds between two `activity` events on one stream, at most
 SHUTDOWN = 2.0  # seconds a stopping gateway waits for the console's requests in flight
 UV = {True: UserVerificationRequirement.REQUIRED, False: UserVerificationRequirement.PREFERRED}
 ASSETS = {
@@ -124,7 +125,7 @@ def asset(name: str) -> bytes:
 
 @dataclass
 class Login:
-    credential_id: str
+    signer_id: str
     name: str
     csrf: str
     vault_epoch: int
@@ -142,17 +143,19 @@ class ConsoleError(BastionError):
 class Console:
     """The console's routes over one gateway; `start` serves them on 127.0.0.1:PORT."""
 
-    def __init__(self, gw: GatewayView, operators: Operators, config: ConsoleConfig) -> None:
+    def __init__(self, gw: GatewayView, signers: Signers, config: ConsoleConfig) -> None:
         self.gw = gw
         self.control = Control(gw)
-        self.operators = operators
+        self.signers = signers
         self.config = config
         self.origin = config.origin
         self.host = f"localhost:{config.port}"
         self._logins: dict[str, Login] = {}
         self._login_asks: dict[str, float] = {}  # nonce -> expiry
-        self._changed = asyncio.Event()
-        self._activity = asyncio.Event()
+        self._changed = asyncio.Event()  # set, and replaced, at each change (`_wake`)
+        self._activity = asyncio.Event()  # the same for requests starting and ending
+        self._version = 0  # of what a snapshot shows; `_wake` moves it
+        self._snapshot: tuple[int, bytes] | None = None
         self._runner: web.AppRunner | None = None
         self._closing = False
         self.streams = 0  # open event streams (tabs), for status and the bench
@@ -196,7 +199,7 @@ class Console:
                 raise
         self.gw.recorder.sinks.append(self._sink)
         self.gw.recorder.record(
-            EventType.CONSOLE_STARTED, {"origin": self.origin, "rp_id": self.operators.rp_id}
+            EventType.CONSOLE_STARTED, {"origin": self.origin, "rp_id": self.signers.rp_id}
         )
         log.info("console at %s/", self.origin)
 
@@ -205,7 +208,6 @@ class Console:
             self.gw.recorder.sinks.remove(self._sink)
         self._closing = True
         self._wake()  # every stream sees the end, and ends
-        self._activity.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -219,8 +221,10 @@ class Console:
             self._wake()
         elif kind in ACTIVITY:
             self._activity.set()
+            self._activity = asyncio.Event()
 
     def _wake(self) -> None:
+        self._version += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -236,7 +240,7 @@ class Console:
             response = await handler(request)
         except ConsoleError as exc:
             response = web.json_response({"error": str(exc)}, status=exc.status)
-        except (CardError, GrantError, OperatorError, OperatorsError, PresenceError) as exc:
+        except (CardError, GrantError, OperatorError, SignersError, PresenceError) as exc:
             response = web.json_response({"error": str(exc)}, status=409)
         except web.HTTPException as exc:
             response = web.json_response({"error": exc.reason}, status=exc.status)
@@ -253,7 +257,7 @@ class Console:
             login.expires_at <= time.time()
             or login.vault_epoch != vault.epoch
             or vault.locked
-            or self.operators.credential(login.credential_id) is None  # removed since
+            or self.signers.get(login.signer_id) is None  # removed since
         ):
             del self._logins[token]
             login = None
@@ -296,7 +300,7 @@ class Console:
         return web.json_response(
             {
                 "locked": vault.locked,
-                "enrolled": len(self.operators.listed()),
+                "enrolled": len(self.signers.listed()),
                 "login": None if login is None else {"name": login.name, "csrf": login.csrf},
                 "origin": self.origin,
             }
@@ -307,7 +311,7 @@ class Console:
     async def _login_begin(self, _: web.Request) -> web.Response:
         if self.gw.vault.locked:
             raise ConsoleError(409, "the vault is locked: run `bastion unlock`, then log in")
-        if not self.operators.listed():
+        if not self.signers.listed():
             raise ConsoleError(409, "no authenticator is enrolled: run `bastion operator enroll`")
         now = time.time()
         self._login_asks = {n: t for n, t in self._login_asks.items() if t > now}
@@ -321,9 +325,9 @@ class Console:
 
     def _assertion_options(self, challenge: bytes, uv: bool) -> dict[str, Any]:
         options = generate_authentication_options(
-            rp_id=self.operators.rp_id,
+            rp_id=self.signers.rp_id,
             challenge=challenge,
-            allow_credentials=self.operators.descriptors(),
+            allow_credentials=self.signers.descriptors(),
             user_verification=UV[uv],
             timeout=int(LOGIN_TTL * 1000),
         )
@@ -335,14 +339,14 @@ class Console:
         if self._login_asks.pop(nonce, 0.0) <= time.time():
             raise ConsoleError(409, "this login challenge is unknown, used or expired: try again")
         proof = Proof.from_browser(body.get("assertion"))
-        got = self.operators.verify(proof, login_challenge_of(nonce), False)
+        got = self.signers.verify(proof, login_challenge_of(nonce), False)
         if not isinstance(got, Checked):
             self.gw.recorder.record(
                 EventType.PRESENCE_REFUSED,
-                {"login": True, "credential": proof.credential_id, "flaw": got.value},
+                {"login": True, "signer": proof.signer_id, "flaw": got.value},
             )
             raise ConsoleError(403, f"login refused: {got.words}")
-        cred = self.operators.credential(got.credential_id)
+        cred = self.signers.get(got.signer_id)
         assert cred is not None
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         minutes = self.config.session_minutes
@@ -351,7 +355,7 @@ class Console:
         )
         self.gw.recorder.record(
             EventType.CONSOLE_LOGIN,
-            {"credential": cred.id, "name": cred.name, "nonce": nonce, "proof": proof.as_json()},
+            {"signer": cred.id, "name": cred.name, "nonce": nonce, "proof": proof.as_json()},
         )
         response = web.json_response({"name": cred.name, "csrf": csrf})
         response.set_cookie(
@@ -382,12 +386,15 @@ class Console:
             "boot_id": self.gw.boot_id,
             "cards": cards,
             "sessions": await self.control.sessions({}),
-            "operators": [{"id": c["id"], "name": c["name"]} for c in self.operators.listed()],
+            "signers": [{"id": c["id"], "name": c["name"]} for c in self.signers.listed()],
         }
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: a snapshot now and after every change, an `activity`
-        event when requests start or end (the page fetches rows while it shows them)."""
+        """Server-sent events: a snapshot now and after each change to cards, sessions,
+        signers or the vault (built once, shared by every stream), and an `activity`
+        event, at most every ACTIVITY_EVERY seconds, while requests start and end (the
+        page fetches rows only while it shows them). A busy gateway's commands wake no
+        snapshot: they change neither cards nor sessions."""
         self._login(request, changing=False)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
@@ -396,29 +403,43 @@ class Console:
             response.headers.setdefault(key, value)
         await response.prepare(request)
         self.streams += 1
+        sent, told, owed = -1, 0.0, False  # snapshot version sent; activity told, owed
         try:
             while not self._closing:
-                changed = self._changed
-                data = json.dumps(await self.snapshot())
-                await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
-                if self._activity.is_set():
-                    self._activity.clear()
+                if sent != self._version:
+                    sent = self._version
+                    data = await self._snapshot_json()
+                    await response.write(b"event: snapshot\ndata: " + data + b"\n\n")
+                now = time.monotonic()
+                if owed and now - told >= ACTIVITY_EVERY:
+                    owed, told = False, now
                     await response.write(b"event: activity\ndata: {}\n\n")
-                waits = {asyncio.ensure_future(changed.wait())}
-                activity = asyncio.ensure_future(self._activity.wait())
+                changed, activity = self._changed, self._activity
+                waits = [asyncio.ensure_future(changed.wait())]
+                if not owed:
+                    waits.append(asyncio.ensure_future(activity.wait()))
+                timeout = PING if not owed else max(0.0, ACTIVITY_EVERY - (now - told))
                 done, _ = await asyncio.wait(
-                    waits | {activity}, timeout=PING, return_when=asyncio.FIRST_COMPLETED
+                    waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                 )
-                for task in (*waits, activity):
+                for task in waits:
                     task.cancel()
+                owed = owed or activity.is_set()
                 self._login(request, changing=False)  # a lock ends the stream's login too
-                if not done:
+                if not done and not owed:
                     await response.write(b": ping\n\n")
         except (ConsoleError, ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
             self.streams -= 1
         return response
+
+    async def _snapshot_json(self) -> bytes:
+        """The snapshot of this version, made once for every stream that sends it."""
+        version = self._version
+        if self._snapshot is None or self._snapshot[0] != version:
+            self._snapshot = (version, json.dumps(await self.snapshot()).encode())
+        return self._snapshot[1]
 
     async def _activity_rows(self, request: web.Request) -> web.Response:
         """`audit activity`'s rows and filters: host, run, since, until (seconds since
@@ -494,14 +515,14 @@ class Console:
 
     async def _enroll_options(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return web.json_response(self.operators.options(str(body.get("token", ""))))
+        return web.json_response(self.signers.options(str(body.get("token", ""))))
 
     async def _enroll_register(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         registration = body.get("registration")
         if not isinstance(registration, dict):
             raise ConsoleError(400, "registration must be the authenticator's JSON")
-        code = self.operators.register(str(body.get("token", "")), registration)
+        code = self.signers.register(str(body.get("token", "")), registration)
         return web.json_response({"code": f"{code[:3]}-{code[3:]}"})
 
 

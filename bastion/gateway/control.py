@@ -29,10 +29,10 @@ from bastion.core.opguard import Operator
 from bastion.core.policy import PolicyError
 from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk
 from bastion.gateway.authority import Authority
-from bastion.gateway.operators import Operators, OperatorsError
 from bastion.gateway.opserver import OPERATOR_ARG, Handler
 from bastion.gateway.recorder import ForeignRecords
 from bastion.gateway.service import Service
+from bastion.gateway.signers import Signers, SignersError
 from bastion.home import Home
 from bastion.journal import IDENTITY_LABEL, Journal
 from bastion.journal.witness import Witness
@@ -119,11 +119,13 @@ class GatewayView(Protocol):
     authority: Authority
     witness: Witness | None
     foreign: ForeignRecords
-    operators: Operators
+    signers: Signers
     recorder: Any  # the gateway's `Recorder` (the console adds a sink)
 
     @property
     def console_url(self) -> str | None: ...
+
+    def console_status(self) -> dict[str, Any] | None: ...
 
     @property
     def settings(self) -> Settings: ...
@@ -213,6 +215,8 @@ class Control:
             "guarantees": await asyncio.to_thread(
                 status_guarantees, gw.home, gw.isolation(), os.getpid()
             ),
+            # The browser console (None: off) and its open event streams (tabs).
+            "console": gw.console_status(),
             # What an agent can do in each mode (docs/sandbox.md, "The sandbox"): the same table.
             "threat_model": threat_model(),
         }
@@ -333,7 +337,7 @@ class Control:
             raise OperatorError(str(exc)) from None
         return rows[-last:] if last else rows
 
-    # -- presence: the console and the enrolled credentials ----------------------------
+    # -- presence: the console and the enrolled signers --------------------------------
 
     async def console(self, _: dict[str, Any]) -> dict[str, Any]:
         url = self.gw.console_url
@@ -342,7 +346,7 @@ class Control:
     async def operator_list(self, _: dict[str, Any]) -> list[dict[str, Any]]:
         if self.gw.vault.locked:
             raise OperatorError("the vault is locked; run `bastion unlock` first")
-        return self.gw.operators.listed()
+        return self.gw.signers.listed()
 
     def _passphrase(self, args: dict[str, Any]) -> bytes:
         try:
@@ -358,11 +362,11 @@ class Control:
                 "the console is off: set [console] enabled = true in bastion.toml and "
                 "restart the gateway; enrolling is done in its page"
             )
-        passphrase, name = self._passphrase(args), text_arg(args, "credential_name")
+        passphrase, name = self._passphrase(args), text_arg(args, "signer_name")
         try:
             await self.authority.prove_passphrase(passphrase)
-            token = self.gw.operators.begin(name)
-        except (OperatorsError, VaultError) as exc:
+            token = self.gw.signers.begin(name)
+        except (SignersError, VaultError) as exc:
             raise OperatorError(str(exc)) from None
         return {"token": token, "url": f"{url}enroll#{token}"}
 
@@ -370,27 +374,27 @@ class Control:
         """Wait (up to `wait` seconds) for the page to register an authenticator."""
         token = text_arg(args, "token")
         deadline = time.monotonic() + number_arg(args, "wait", 0.0, MAX_WAIT)
-        ops_ = self.gw.operators
+        ops_ = self.gw.signers
         try:
             while not ops_.waiting(token) and (left := deadline - time.monotonic()) > 0:
                 await ops_.wait_registered(left)
             return {"registered": ops_.waiting(token)}
-        except OperatorsError as exc:
+        except SignersError as exc:
             raise OperatorError(str(exc)) from None
 
     async def operator_enroll_confirm(self, args: dict[str, Any]) -> dict[str, Any]:
         try:
-            cred = self.gw.operators.confirm(text_arg(args, "token"), text_arg(args, "code"))
-        except (OperatorsError, VaultError) as exc:
+            cred = self.gw.signers.confirm(text_arg(args, "token"), text_arg(args, "code"))
+        except (SignersError, VaultError) as exc:
             raise OperatorError(str(exc)) from None
         return cred.as_json()
 
     async def operator_remove(self, args: dict[str, Any]) -> dict[str, Any]:
-        passphrase, ident = self._passphrase(args), text_arg(args, "credential")
+        passphrase, ident = self._passphrase(args), text_arg(args, "signer")
         try:
             await self.authority.prove_passphrase(passphrase)
-            cred = self.gw.operators.remove(ident)
-        except (OperatorsError, VaultError) as exc:
+            cred = self.gw.signers.remove(ident)
+        except (SignersError, VaultError) as exc:
             raise OperatorError(str(exc)) from None
         return {"removed": cred.id, "name": cred.name}
 

@@ -57,12 +57,12 @@ from bastion.gateway.certify import Certifier
 from bastion.gateway.console import Console
 from bastion.gateway.control import Control
 from bastion.gateway.export import export_stream
-from bastion.gateway.operators import Operators
 from bastion.gateway.outbound import Dispatcher
 from bastion.gateway.recorder import ForeignRecords, PolicyWatch, Recorder
 from bastion.gateway.requests import IndexedJournal, RequestIndex
 from bastion.gateway.senders import own_connection
 from bastion.gateway.service import Edges
+from bastion.gateway.signers import Signers
 from bastion.gateway.tenants import Tenants
 from bastion.gateway.trim import TRIMMER, settle
 from bastion.home import Home
@@ -150,8 +150,8 @@ class Gateway:
             command_ttl=settings.command_approval_ttl,
             presence_where=self.config.console.approve_where,
         )
-        # Who can sign presence cards: sealed in the vault, read at unlock (gateway/operators).
-        self.operators = Operators(self.vault, self.recorder, RP_ID, self.config.console.origin)
+        # Who can sign presence cards: sealed in the vault, read at unlock (gateway/signers).
+        self.signers = Signers(self.vault, self.recorder, RP_ID, self.config.console.origin)
         self.console: Console | None = None
         self.issuer = self._issuer()
         self._checks: set[asyncio.Task[None]] = set()
@@ -181,7 +181,7 @@ class Gateway:
             witnessed=self.witness.intent if self.witness is not None else None,
             vouch=self.vouch,
             unlocked=self._unlocked,
-            operators=self.operators,
+            signers=self.signers,
         )
         self.service = assembly.service
         self.authority = assembly.authority
@@ -247,6 +247,11 @@ class Gateway:
     def console_url(self) -> str | None:
         """The console's page (with its slash), or None when bastion.toml keeps it off."""
         return f"{self.config.console.origin}/" if self.console is not None else None
+
+    def console_status(self) -> dict[str, Any] | None:
+        if self.console is None:
+            return None
+        return {"url": self.console_url, "streams": self.console.streams}
 
     def listeners_health(self) -> dict[str, Any]:
         """The agent and operator sockets' health, for `bastion status`."""
@@ -440,7 +445,7 @@ class Gateway:
             self.agent_processes,
         )
         if self.config.console.enabled:
-            self.console = Console(self, self.operators, self.config.console)
+            self.console = Console(self, self.signers, self.config.console)
             await self.console.start()
         doors = AgentDoors(self, self.service.policy.current, self.requests, self.tenants)
         listener = self._agent_listener = AgentListener(

@@ -57,7 +57,7 @@ def presence_bastion(
 def console(
     presence_bastion: tuple[Bastion, str], web: Browser
 ) -> Iterator[tuple[Bastion, str, Browser]]:
-    """The presence gateway with one credential (alice's) enrolled and logged in."""
+    """The presence gateway with one signer (alice's) enrolled and logged in."""
     b, origin = presence_bastion
     web.authenticator()
     got = enroll(b, web, "alice", origin)

@@ -151,7 +151,7 @@ def test_two_approvers_each_sign_and_the_names_show_as_they_arrive(
     bob.until(lambda: "Signed: alice (1 of 2)" in card_element(bob, card["id"]).text)
     assert next_card(b, "session")["id"] == card["id"]  # one signature is not enough
     again = alice.find(f'[data-card="{card["id"]}"] .approve')
-    again.click()  # alice once more: one credential is one approver
+    again.click()  # alice once more: one signer is one approver
     alice.until(lambda: "already signed" in card_element(alice, card["id"]).text)
     approve(bob, card["id"])
     command = next_card(b, "command")

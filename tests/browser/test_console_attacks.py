@@ -262,7 +262,7 @@ def test_enrolling_needs_the_passphrase_and_the_page_s_code(
     assert wrong.returncode != 0 and "wrong passphrase" in wrong.stderr, wrong
     assert "enroll#" not in wrong.stdout
     with pytest.raises(OperatorError, match="wrong passphrase"):
-        b.op("operator_enroll", passphrase="bm9wZQ==", credential_name="mallory")
+        b.op("operator_enroll", passphrase="bm9wZQ==", signer_name="mallory")
     # a registration whose code is not the one its page showed is not kept
     proc = subprocess.Popen(
         cli_argv(
@@ -302,7 +302,7 @@ def test_enrolling_needs_the_passphrase_and_the_page_s_code(
     assert [c["name"] for c in b.op("operator_list")] == ["alice"]
 
 
-def test_a_removed_credential_signs_nothing(
+def test_a_removed_signer_signs_nothing(
     presence_bastion: tuple[Bastion, str], tmp_path: Path, chromium: None
 ) -> None:
     b, origin = presence_bastion
@@ -323,7 +323,7 @@ def test_a_removed_credential_signs_nothing(
             timeout=120,
         )
         assert "removed 'alice'" in removed.stdout
-        alice.find("#login")  # her login ended with her credential, at once
+        alice.find("#login")  # her login ended with her signer, at once
         # her authenticator still holds the key: a signature by it is refused
         thief = Stolen.from_browser(bob, origin)
         status, ask = thief.request("POST", f"/api/cards/{card['id']}/challenge", {})
@@ -426,7 +426,7 @@ def test_a_forged_or_edited_approval_record_is_named_by_audit_verify(
             {},
         )
         # its counter ahead of the real one: only the signature itself can give it away
-        fake = SoftAuthenticator(credential_id=unb64url(cred["id"]), count=10**6)
+        fake = SoftAuthenticator(signer_id=unb64url(cred["id"]), count=10**6)
         nonce = b"n" * 32
         proof = Proof.from_browser(fake.sign(approval_challenge("d" * 64, nonce, None), origin))
         forger.append(
@@ -434,7 +434,7 @@ def test_a_forged_or_edited_approval_record_is_named_by_audit_verify(
             {
                 "request_id": "req_f",
                 "card": "cc_f",
-                "credential": cred["id"],
+                "signer": cred["id"],
                 "card_digest": "d" * 64,
                 "nonce": b64url(nonce),
                 "grant": None,

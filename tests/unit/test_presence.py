@@ -19,7 +19,7 @@ from bastion.core import presence
 from bastion.core.cards import Card
 from bastion.core.gate import CardEnding, CardKind
 from bastion.core.policy import PolicyError, Presence, entry_digest, parse_policy_text
-from bastion.core.presence import Checked, Credential, Flaw, Proof, Signature
+from bastion.core.presence import Checked, Flaw, Proof, Signature, Signer
 from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk
 from tests.soft_authenticator import SoftAuthenticator
 from tests.unit import test_binding as tb
@@ -28,7 +28,7 @@ ORIGIN = "http://localhost:7433"
 RP_ID = "localhost"
 
 
-def enrolled(soft: SoftAuthenticator, name: str = "alice") -> Credential:
+def enrolled(soft: SoftAuthenticator, name: str = "alice") -> Signer:
     options = {"challenge": presence.b64url(b"c" * 32)}
     cred, count = presence.enrolled_from(
         soft.register(options, ORIGIN),
@@ -44,7 +44,7 @@ def enrolled(soft: SoftAuthenticator, name: str = "alice") -> Credential:
 
 def checked(
     soft: SoftAuthenticator,
-    cred: Credential | None,
+    cred: Signer | None,
     challenge: bytes,
     uv_required: bool = False,
     last: int = 0,
@@ -115,7 +115,7 @@ def test_user_verification_holds_when_the_authenticator_verified() -> None:
 def test_a_signature_by_another_key_or_edited_is_named_signature() -> None:
     soft, other = SoftAuthenticator(), SoftAuthenticator()
     cred = enrolled(soft)
-    other.credential_id = soft.credential_id  # same id, another private key: a forgery
+    other.signer_id = soft.signer_id  # same id, another private key: a forgery
     assert checked(other, cred, CHALLENGE) is Flaw.SIGNATURE
 
     def flip(doc: dict[str, Any]) -> None:
@@ -126,10 +126,10 @@ def test_a_signature_by_another_key_or_edited_is_named_signature() -> None:
     assert checked(soft, cred, CHALLENGE, edit=flip) is Flaw.SIGNATURE
 
 
-def test_a_credential_not_enrolled_is_named() -> None:
+def test_a_signer_not_enrolled_is_named() -> None:
     soft = SoftAuthenticator()
-    assert checked(soft, None, CHALLENGE) is Flaw.CREDENTIAL
-    assert checked(soft, enrolled(SoftAuthenticator()), CHALLENGE) is Flaw.CREDENTIAL
+    assert checked(soft, None, CHALLENGE) is Flaw.SIGNER
+    assert checked(soft, enrolled(SoftAuthenticator()), CHALLENGE) is Flaw.SIGNER
 
 
 def test_a_browser_answer_of_another_shape_is_refused() -> None:
@@ -143,7 +143,7 @@ def test_a_proof_survives_the_journal() -> None:
     proof = Proof.from_browser(soft.sign(CHALLENGE, ORIGIN))
     assert Proof.from_json(proof.as_json()) == proof
     cred = enrolled(soft)
-    assert Credential.from_json(cred.as_json()) == cred
+    assert Signer.from_json(cred.as_json()) == cred
 
 
 # -- what the challenge commits to ---------------------------------------------------------
@@ -295,7 +295,7 @@ def test_a_nonce_is_used_once_and_only_for_its_card() -> None:
     run(scenario)
 
 
-def test_two_approvers_need_two_distinct_credentials() -> None:
+def test_two_approvers_need_two_distinct_signers() -> None:
     async def scenario(book: ApprovalBook) -> None:
         card = presence_card(approvers=2)
         fut = book.open_card(card)
@@ -395,7 +395,7 @@ class Journal:
             card_digest=digest,
             nonce=nonce,
             grant=None,
-            credential=proof.credential_id,
+            signer=proof.signer_id,
             proof=proof.as_json(),
         )
 
@@ -434,7 +434,7 @@ def test_an_approval_without_its_signatures_is_named() -> None:
 
 def test_a_forged_signature_is_named_and_does_not_count() -> None:
     soft, forger = SoftAuthenticator(), SoftAuthenticator()
-    forger.credential_id = soft.credential_id
+    forger.signer_id = soft.signer_id
     j = journal_with(soft)
     j.add("card_raised", card="cc_1", presence=1)
     j.signed(forger, "cc_1")
@@ -465,7 +465,7 @@ def test_a_counter_going_backwards_is_named() -> None:
 def test_a_signature_the_gateway_refused_is_told_not_a_problem() -> None:
     soft = SoftAuthenticator()
     j = journal_with(soft)
-    j.add("presence_refused", card="cc_1", credential=soft.id, flaw="counter")
+    j.add("presence_refused", card="cc_1", signer=soft.id, flaw="counter")
     found = presence.audit(j.recs)
     assert [f.problem for f in found] == [False]
     assert "refused by the gateway: its sign counter did not rise" in found[0].words

@@ -1,10 +1,10 @@
-"""The enrolled operators' credentials: who can sign a presence card.
+"""The signers: the enrolled WebAuthn credentials that can sign a presence card.
 
-The set is sealed in the vault (secret `bastion-operators`): a process of the
-operator's uid can read the vault file but cannot add a credential to it
-without the passphrase, and every change is journaled with the credential's
-public half (`operator_enrolled`, `operator_removed`), which is what
-`audit verify` checks signatures against, offline. The gateway holds the set in
+The set is sealed in the vault (secret `bastion-signers`): a process of the
+operator's uid can read the vault file but cannot add a signer to it without
+the passphrase, and every change is journaled with the signer's public half
+(`operator_enrolled`, `operator_removed`), which is what `audit verify` checks
+signatures against, offline. The gateway holds the set in
 memory while the vault is unlocked (cards exist only then) and forgets it at
 lock.
 
@@ -12,10 +12,10 @@ Enrolling takes three steps, so that a process that sees the enrolment URL (a
 browser's argv is readable by the same uid) cannot slip its own authenticator
 in: the CLI proves the passphrase and gets a one-time token (`begin`); the
 page registers an authenticator with it and is shown a code (`register`); the
-operator types that code at the CLI, which keeps the credential (`confirm`).
+operator types that code at the CLI, which keeps the signer (`confirm`).
 A registration the operator did not see has no code at the CLI.
 
-The sign counter each credential last reported is sealed beside it, so a
+The sign counter each signer last reported is sealed beside it, so a
 cloned authenticator (its counter behind) is refused across restarts too.
 """
 
@@ -43,10 +43,10 @@ from bastion.core.errors import BastionError
 from bastion.core.events import EventType
 from bastion.core.presence import (
     Checked,
-    Credential,
     Flaw,
     PresenceError,
     Proof,
+    Signer,
     check,
     check_name,
     enrolled_from,
@@ -57,13 +57,13 @@ from bastion.vault import Vault, VaultError
 
 log = logging.getLogger(__name__)
 
-SECRET = "bastion-operators"
+SECRET = "bastion-signers"
 ENROL_TTL = 300.0  # seconds an enrolment token lives
 MAX_PENDING = 8  # enrolments begun and not confirmed (oldest dropped)
-MAX_CREDENTIALS = 64
+MAX_SIGNERS = 64
 
 
-class OperatorsError(BastionError):
+class SignersError(BastionError):
     """An enrolment or removal that cannot be done; the message says why."""
 
 
@@ -73,12 +73,12 @@ class _Enrolment:
     challenge: bytes
     user_id: bytes
     expires_at: float
-    registered: tuple[Credential, int] | None = None
+    registered: tuple[Signer, int] | None = None
     code: str | None = None
 
 
-class Operators:
-    """The enrolled credentials and their counters, for one console origin."""
+class Signers:
+    """The enrolled signers and their counters, for one console origin."""
 
     def __init__(
         self,
@@ -93,7 +93,7 @@ class Operators:
         self.rp_id = rp_id
         self.origin = origin
         self.clock = clock
-        self._credentials: dict[str, Credential] = {}
+        self._signers: dict[str, Signer] = {}
         self._counts: dict[str, int] = {}
         self._pending: dict[str, _Enrolment] = {}
         self._registered = asyncio.Event()  # set (and replaced) when a page registers
@@ -102,26 +102,26 @@ class Operators:
 
     def load(self) -> None:
         """Read the sealed set (at unlock); an absent one is an empty set."""
-        self._credentials, self._counts = {}, {}
+        self._signers, self._counts = {}, {}
         if SECRET not in self.vault.secret_labels():
             return
         doc = json.loads(self.vault.secret(SECRET))
-        for entry in doc.get("credentials", []):
-            cred = Credential.from_json(entry["credential"])
-            self._credentials[cred.id] = cred
+        for entry in doc.get("signers", []):
+            cred = Signer.from_json(entry["signer"])
+            self._signers[cred.id] = cred
             self._counts[cred.id] = int(entry.get("sign_count", 0))
 
     def forget(self) -> None:
         """At lock: nothing signs while locked (no card is open)."""
-        self._credentials, self._counts = {}, {}
+        self._signers, self._counts = {}, {}
         self._pending.clear()
 
     def _save(self) -> None:
         doc = {
             "v": 1,
-            "credentials": [
-                {"credential": c.as_json(), "sign_count": self._counts.get(c.id, 0)}
-                for c in self._credentials.values()
+            "signers": [
+                {"signer": c.as_json(), "sign_count": self._counts.get(c.id, 0)}
+                for c in self._signers.values()
             ],
         }
         self.vault.put_secret(SECRET, json.dumps(doc, sort_keys=True).encode())
@@ -136,14 +136,14 @@ class Operators:
                 "enrolled_at": c.enrolled_at,
                 "sign_count": self._counts.get(c.id, 0),
             }
-            for c in self._credentials.values()
+            for c in self._signers.values()
         ]
 
-    def credential(self, credential_id: str) -> Credential | None:
-        return self._credentials.get(credential_id)
+    def get(self, signer_id: str) -> Signer | None:
+        return self._signers.get(signer_id)
 
     def descriptors(self) -> list[PublicKeyCredentialDescriptor]:
-        return [PublicKeyCredentialDescriptor(id=unb64url(c)) for c in self._credentials]
+        return [PublicKeyCredentialDescriptor(id=unb64url(c)) for c in self._signers]
 
     # -- enrolling -------------------------------------------------------------------
 
@@ -153,13 +153,13 @@ class Operators:
         try:
             check_name(name)
         except PresenceError as exc:
-            raise OperatorsError(str(exc)) from None
+            raise SignersError(str(exc)) from None
         if self.vault.locked:
-            raise OperatorsError("the vault is locked; run `bastion unlock` first")
-        if any(c.name == name for c in self._credentials.values()):
-            raise OperatorsError(f"a credential named {name!r} is enrolled; choose another name")
-        if len(self._credentials) >= MAX_CREDENTIALS:
-            raise OperatorsError(f"{MAX_CREDENTIALS} credentials are enrolled; remove one first")
+            raise SignersError("the vault is locked; run `bastion unlock` first")
+        if any(c.name == name for c in self._signers.values()):
+            raise SignersError(f"a signer named {name!r} is enrolled; choose another name")
+        if len(self._signers) >= MAX_SIGNERS:
+            raise SignersError(f"{MAX_SIGNERS} signers are enrolled; remove one first")
         now = self.clock()
         self._pending = {t: e for t, e in self._pending.items() if e.expires_at > now}
         while len(self._pending) >= MAX_PENDING:
@@ -174,7 +174,7 @@ class Operators:
         e = self._pending.get(token)
         if e is None or e.expires_at <= self.clock():
             self._pending.pop(token, None)
-            raise OperatorsError(
+            raise SignersError(
                 "this enrolment is unknown, used or expired: run `bastion operator enroll` again"
             )
         return e
@@ -183,7 +183,7 @@ class Operators:
         """The page's `navigator.credentials.create()` options, as JSON."""
         e = self._enrolment(token)
         if e.registered is not None:
-            raise OperatorsError("this enrolment already registered an authenticator")
+            raise SignersError("this enrolment already registered an authenticator")
         options = generate_registration_options(
             rp_id=self.rp_id,
             rp_name="bastion",
@@ -205,7 +205,7 @@ class Operators:
         shows, which the operator types at the CLI (`confirm`)."""
         e = self._enrolment(token)
         if e.registered is not None:
-            raise OperatorsError("this enrolment already registered an authenticator")
+            raise SignersError("this enrolment already registered an authenticator")
         try:
             made = enrolled_from(
                 registration,
@@ -217,33 +217,33 @@ class Operators:
             )
         except PresenceError as exc:
             self._pending.pop(token, None)
-            raise OperatorsError(str(exc)) from None
-        if made[0].id in self._credentials:
+            raise SignersError(str(exc)) from None
+        if made[0].id in self._signers:
             self._pending.pop(token, None)
-            raise OperatorsError("this authenticator's credential is already enrolled")
+            raise SignersError("this authenticator is already enrolled")
         e.registered = made
         e.code = f"{secrets.randbelow(10**6):06d}"
         self._registered.set()
         self._registered = asyncio.Event()
         return e.code
 
-    def confirm(self, token: str, code: str) -> Credential:
-        """Keep the registered credential if `code` is the one its page showed; one try."""
+    def confirm(self, token: str, code: str) -> Signer:
+        """Keep the registered signer if `code` is the one its page showed; one try."""
         e = self._enrolment(token)
         if e.registered is None or e.code is None:
-            raise OperatorsError("no authenticator has registered with this enrolment yet")
+            raise SignersError("no authenticator has registered with this enrolment yet")
         del self._pending[token]
         if not secrets.compare_digest(code.replace("-", "").strip(), e.code):
-            raise OperatorsError(
+            raise SignersError(
                 "that is not the code the enrolment page showed; nothing was enrolled "
                 "(run `bastion operator enroll` again)"
             )
         cred, count = e.registered
-        self._credentials[cred.id] = cred
+        self._signers[cred.id] = cred
         self._counts[cred.id] = count
         self._save()
         self.recorder.record(EventType.OPERATOR_ENROLLED, cred.as_json())
-        log.info("operator credential %r enrolled (%s)", cred.name, cred.aaguid)
+        log.info("signer %r enrolled (%s)", cred.name, cred.aaguid)
         return cred
 
     def waiting(self, token: str) -> bool:
@@ -256,29 +256,29 @@ class Operators:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 
-    def remove(self, ident: str) -> Credential:
-        """Remove one credential (by id or name); the caller has proven the passphrase,
+    def remove(self, ident: str) -> Signer:
+        """Remove one signer (by id or name); the caller has proven the passphrase,
         as for `begin`."""
         if self.vault.locked:
-            raise OperatorsError("the vault is locked; run `bastion unlock` first")
-        cred = self._credentials.get(ident) or next(
-            (c for c in self._credentials.values() if c.name == ident), None
+            raise SignersError("the vault is locked; run `bastion unlock` first")
+        cred = self._signers.get(ident) or next(
+            (c for c in self._signers.values() if c.name == ident), None
         )
         if cred is None:
-            raise OperatorsError(f"no enrolled credential {ident!r} (see `bastion operator list`)")
-        del self._credentials[cred.id]
+            raise SignersError(f"no enrolled signer {ident!r} (see `bastion operator list`)")
+        del self._signers[cred.id]
         self._counts.pop(cred.id, None)
         self._save()
         self.recorder.record(EventType.OPERATOR_REMOVED, {"id": cred.id, "name": cred.name})
-        log.info("operator credential %r removed", cred.name)
+        log.info("signer %r removed", cred.name)
         return cred
 
     # -- signing ---------------------------------------------------------------------
 
     def verify(self, proof: Proof, challenge: bytes, user_verification: bool) -> Checked | Flaw:
         """`presence.check` against the enrolled key; a signature that holds moves the
-        credential's counter (sealed at once, so a restart does not forget it)."""
-        cred = self._credentials.get(proof.credential_id)
+        signer's counter (sealed at once, so a restart does not forget it)."""
+        cred = self._signers.get(proof.signer_id)
         got = check(
             proof,
             cred,
@@ -286,12 +286,12 @@ class Operators:
             origin=self.origin,
             rp_id=self.rp_id,
             user_verification=user_verification,
-            last_count=self._counts.get(proof.credential_id, 0),
+            last_count=self._counts.get(proof.signer_id, 0),
         )
         if isinstance(got, Checked):
-            self._counts[got.credential_id] = got.sign_count
+            self._counts[got.signer_id] = got.sign_count
             try:
                 self._save()
             except VaultError as exc:  # the signature holds; the counter is kept in memory
-                log.error("could not seal the sign counter of %s: %s", got.credential_id, exc)
+                log.error("could not seal the sign counter of %s: %s", got.signer_id, exc)
         return got
