@@ -118,6 +118,9 @@ ACTIVITY = frozenset(
     }
 )
 
+_CHANGES = frozenset(e.value for e in CHANGES)  # as a record's `type` spells them
+_ACTIVITY = frozenset(e.value for e in ACTIVITY)
+
 
 def asset(name: str) -> bytes:
     return resources.files("bastion.data").joinpath("console", name).read_bytes()
@@ -212,14 +215,12 @@ class Console:
             await self._runner.cleanup()
 
     def _sink(self, record: Any, _event: dict[str, Any]) -> None:
+        """Told of every record on disk: a set lookup on its type, nothing more, since a
+        busy gateway writes several records a command."""
         kind = getattr(record, "type", None)
-        try:
-            kind = EventType(kind) if isinstance(kind, str) else kind
-        except ValueError:
-            return
-        if kind in CHANGES:
+        if kind in _CHANGES:
             self._wake()
-        elif kind in ACTIVITY:
+        elif kind in _ACTIVITY and self.streams:
             self._activity.set()
             self._activity = asyncio.Event()
 

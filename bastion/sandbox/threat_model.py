@@ -27,7 +27,8 @@ THREATS: tuple[tuple[str, str, str, str], ...] = (
     (
         "answer its own card (operator socket)",
         "cannot: hidden, and refused by namespace",
-        "cannot from inside a run; a process of your uid outside every run can",
+        "cannot from inside a run; a process of your uid outside every run can, but not "
+        'a card of a `presence = "required"` account: only a signer\'s signature approves it',
         "a uid of its own: refused by permissions too",
     ),
     (
