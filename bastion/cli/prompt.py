@@ -505,7 +505,9 @@ class Prompt:
                 self.say(self.style.good("approved") if approve else self.style.bad("denied"))
         except OperatorError as exc:
             self.say(self.style.bad(f"not applied: {_shown(exc)}"))
-            if grant is not None:  # a grant refused leaves the card open: ask again
+            # a grant refused, or a yes to a presence card (approved in the console only),
+            # leaves the card open: ask again
+            if grant is not None or (approve and card.get("presence")):
                 self._ask()
                 return
         self.cards.pop(card["id"], None)

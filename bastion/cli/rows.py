@@ -210,9 +210,12 @@ def activity_row(row: Mapping[str, Any], width: int | None, now: float) -> str:
     return activity_rows([row], width, now)[0]
 
 
-def approver(by: object) -> str:
-    """Who approved a session, as the operator socket saw them: the uid (the pid, which
-    names no one once that process is gone, is in --json); older journals: not recorded."""
+def approver(by: object, signed_by: object = None) -> str:
+    """Who approved a session: its card's signers (a presence account's), or the uid the
+    operator socket saw (the pid, which names no one once that process is gone, is in
+    --json); older journals: not recorded."""
+    if isinstance(signed_by, list) and signed_by:
+        return "signed by " + ", ".join(escape_text(str(n)) for n in signed_by)
     if not isinstance(by, Mapping):
         return "by: not recorded"
     return f"by uid {by.get('uid')}"
@@ -229,7 +232,7 @@ def session_fields(row: Mapping[str, Any], now: float) -> list[str]:
     else:
         ended = clock(row.get("ended_at"), now)
         when = f"{started}-{ended} {escape_text(str(row['end_reason']))}"
-    by = approver(row.get("approved_by"))
+    by = approver(row.get("approved_by"), row.get("signed_by"))
     grants = row.get("grants")
     for grant in [row.get("grant"), *(grants if isinstance(grants, list) else [])]:
         if (g := grant_part(grant)) is not None:

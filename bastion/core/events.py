@@ -474,6 +474,7 @@ def sessions(events: Iterable[tuple[Entry, dict[str, Any]]]) -> list[dict[str, A
                 "end_reason": None,
                 "run": run_label(e.get("subject")),
                 "approved_by": e.get("approved_by"),
+                "signed_by": e.get("signed_by") or [],  # presence: the signers of its card
             }
         elif kind is EventType.SESSION_ENDED and sid in rows:
             rows[sid].update(ended_at=e.get("t"), end_reason=entry.meta.get("reason"))

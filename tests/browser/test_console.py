@@ -245,3 +245,49 @@ def test_screenshots_at_a_desk_and_a_phone_width(
     assert all(p.stat().st_size > 0 for p in shots.values())
     b.answer(card, False)
     agent.wait(rid)
+
+
+@pytest.fixture
+def granting(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], web: Browser
+) -> Iterator[tuple[Bastion, Browser]]:
+    policy = policy_toml(sshd, approval="per-command", presence="required", grants=True)
+    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
+    origin = enable_console(b)
+    b.daemon_args = ("--approval-timeout", "60")
+    b.start_daemon()
+    b.unlock()
+    try:
+        web.authenticator()
+        enroll(b, web, "alice", origin)
+        log_in(web, origin)
+        yield b, web
+    finally:
+        b.close()
+
+
+def test_a_bounded_grant_on_a_presence_account_is_signed_with_its_yes(
+    granting: tuple[Bastion, Browser],
+) -> None:
+    """The grant is part of what is signed: the challenge commits to its pattern and
+    bound, and the journal keeps them beside the signature."""
+    b, web = granting
+    agent = b.agent()
+    rid = first_command(b, web, agent, "echo restart app1")
+    card = next_card(b, "command")
+    el = card_element(web, card["id"])
+    el.find_element("css selector", ".grant-on").click()
+    pattern = el.find_element("css selector", ".grant-pattern")
+    pattern.clear()
+    pattern.send_keys("echo restart *")
+    el.find_element("css selector", ".grant-uses").send_keys("2")
+    approve(web, card["id"])
+    assert agent.wait(rid).rc == 0
+    covered = agent.run("echo restart app2")  # no card: the signed grant covers it
+    assert covered.rc == 0 and b"restart app2" in covered.stdout, covered.stderr
+    from bastion import journal
+
+    signed = [r.meta for r in journal.records(b.home.journal) if r.type == "presence_signed"]
+    assert signed[-1]["grant"] == {"pattern": "echo restart *", "uses": 2, "minutes": None}
+    sessions = b.cli("audit", "sessions", "--passphrase-stdin", stdin=PASSPHRASE + "\n")
+    assert "signed by alice" in sessions.stdout, sessions.stdout
