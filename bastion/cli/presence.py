@@ -95,7 +95,14 @@ def enroll(
         code = read_secret_line().decode(errors="replace").strip()
     else:
         code = click.prompt("The code the page shows").strip()
-    cred = op(ctx, "operator_enroll_confirm", timeout=30, token=token, code=code)
+    cred = op(
+        ctx,
+        "operator_enroll_confirm",
+        timeout=60,
+        token=token,
+        code=code,
+        passphrase=base64.b64encode(passphrase).decode(),
+    )
     click.echo(
         f"enrolled {escape_text(cred['name'])!r}: signer {cred['id'][:16]}..., "
         f"authenticator {cred['aaguid']}, attestation {cred['fmt']!r}"

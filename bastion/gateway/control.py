@@ -383,7 +383,12 @@ class Control:
             raise OperatorError(str(exc)) from None
 
     async def operator_enroll_confirm(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Keep what the page registered: the passphrase again (the token alone is no
+        authority: a browser's argv shows it to the uid), and the code the page showed
+        (so a registration raced in from another page is not the one kept)."""
+        passphrase = self._passphrase(args)
         try:
+            await self.authority.prove_passphrase(passphrase)
             cred = self.gw.signers.confirm(text_arg(args, "token"), text_arg(args, "code"))
         except (SignersError, VaultError) as exc:
             raise OperatorError(str(exc)) from None

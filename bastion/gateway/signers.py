@@ -12,8 +12,10 @@ Enrolling takes three steps, so that a process that sees the enrolment URL (a
 browser's argv is readable by the same uid) cannot slip its own authenticator
 in: the CLI proves the passphrase and gets a one-time token (`begin`); the
 page registers an authenticator with it and is shown a code (`register`); the
-operator types that code at the CLI, which keeps the signer (`confirm`).
-A registration the operator did not see has no code at the CLI.
+operator types that code at the CLI, which proves the passphrase again and
+keeps the signer (`confirm`). The token is no authority by itself: keeping a
+registration takes the passphrase, and the code ties it to the operator's own
+page, so one raced in from another page is not the one kept.
 
 The sign counter each signer last reported is sealed beside it, so a
 cloned authenticator (its counter behind) is refused across restarts too.

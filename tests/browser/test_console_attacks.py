@@ -453,3 +453,64 @@ def test_a_forged_or_edited_approval_record_is_named_by_audit_verify(
     assert out.returncode == 1, out.stdout
     assert "signature on card cc_f" in out.stdout and "does not verify" in out.stdout, out.stdout
     assert "card cc_f is recorded approved with 0 valid presence signature(s)" in out.stdout
+
+
+def test_a_process_that_sees_the_enrolment_url_cannot_enroll_its_own_authenticator(
+    presence_bastion: tuple[Bastion, str], chromium: None
+) -> None:
+    """The URL is in the browser's argv, which the uid can read. A process that takes it
+    registers its own authenticator first and knows its page's code; keeping it still
+    takes the passphrase, and the operator, whose page could not register, has no code
+    to type. The control: the operator's own enrolment, with both, keeps theirs."""
+    b, origin = presence_bastion
+    proc = subprocess.Popen(
+        cli_argv(
+            b.home.root,
+            "operator",
+            "enroll",
+            "--name",
+            "alice",
+            "--passphrase-stdin",
+            "--no-open",
+            "--code-stdin",
+        ),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(PASSPHRASE + "\n")
+        proc.stdin.flush()
+        proc.stdout.readline()
+        url = proc.stdout.readline().strip()
+        token = url.split("#", 1)[1]
+        with browser() as mallory, browser() as alice:
+            mallory.authenticator()
+            mallory.get(url)  # the thief's page, first
+            mallory.find("#enroll-button").click()
+            code = mallory.find("#enroll-code").text
+            for passphrase in (None, "d3Jvbmc="):  # none, and a wrong one
+                args = {"token": token, "code": code}
+                if passphrase is not None:
+                    args["passphrase"] = passphrase
+                with pytest.raises(OperatorError):
+                    b.op("operator_enroll_confirm", **args)
+            alice.authenticator()
+            alice.get(url)
+            alice.find("#enroll-button").click()
+            assert "already registered" in alice.find("#notice").text
+        proc.stdin.write("\n")  # alice's page showed no code: she has none to type
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "not the code" in err, err
+    assert b.op("operator_list") == []
+    with browser() as alice:
+        alice.authenticator()
+        assert "enrolled 'alice'" in enroll(b, alice, "alice", origin)["out"]
+    assert [s["name"] for s in b.op("operator_list")] == ["alice"]
