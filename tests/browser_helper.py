@@ -24,7 +24,17 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.harness import PASSPHRASE, Agent, Bastion, cli_argv, wait_for, write_bastion_toml
+from bastion.devtools.sshd_fixture import SshdInfo
+from tests.harness import (
+    PASSPHRASE,
+    Agent,
+    Bastion,
+    cli_argv,
+    make_bastion,
+    policy_toml,
+    wait_for,
+    write_bastion_toml,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -58,6 +68,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def console_gateway(
+    root: Path, sshd: SshdInfo, key_file: Path, **account: Any
+) -> tuple[Bastion, str]:
+    """A started, unlocked gateway with its console on, whose one per-command account
+    asks presence (and has `account`'s other fields); and the console's origin. A card
+    waits a minute: long enough for a browser on a loaded machine."""
+    policy = policy_toml(sshd, approval="per-command", presence="required", **account)
+    b = make_bastion(root, sshd, key_file, policy=policy, start=False)
+    origin = enable_console(b)
+    b.daemon_args = ("--approval-timeout", "60")
+    b.start_daemon()
+    b.unlock()
+    return b, origin
 
 
 def enable_console(b: Bastion, port: int | None = None) -> str:
@@ -171,44 +196,59 @@ def browser(width: int = 1280, height: int = 800) -> Iterator[Browser]:
         b.close()
 
 
+class Enrolment:
+    """`bastion operator enroll` running as the operator runs it: the passphrase given,
+    its page's URL read, the code typed when `finish` is called."""
+
+    def __init__(self, b: Bastion, name: str) -> None:
+        argv = ["operator", "enroll", "--name", name, "--passphrase-stdin", "--no-open"]
+        self.proc = subprocess.Popen(
+            cli_argv(b.home.root, *argv, "--code-stdin"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(PASSPHRASE + "\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()  # "Open this page ..."
+        self.url = self.proc.stdout.readline().strip()
+        self.token = self.url.partition("#")[2]
+
+    def finish(self, code: str) -> subprocess.CompletedProcess[str]:
+        """Type `code` at the CLI; what it printed, and how it exited."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(code + "\n")
+        self.proc.stdin.flush()
+        out, err = self.proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def register(web: Browser, url: str) -> str:
+    """The page at `url` registers the browser's authenticator; the code it shows."""
+    web.get(url)
+    web.find("#enroll-button").click()
+    return str(web.find("#enroll-code").text.strip())
+
+
 def enroll(b: Bastion, web: Browser, name: str, origin: str) -> dict[str, str]:
     """`bastion operator enroll` as the operator runs it, its page in `web`: the code the
     page shows typed back at the CLI. Returns what the CLI printed, and the code."""
-    proc = subprocess.Popen(
-        cli_argv(
-            b.home.root,
-            "operator",
-            "enroll",
-            "--name",
-            name,
-            "--passphrase-stdin",
-            "--no-open",
-            "--code-stdin",
-        ),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
+    enrolment = Enrolment(b, name)
     try:
-        proc.stdin.write(PASSPHRASE + "\n")
-        proc.stdin.flush()
-        proc.stdout.readline()  # "Open this page ..."
-        url = proc.stdout.readline().strip()
-        assert url.startswith(f"{origin}/enroll#"), url
-        web.get(url)
-        web.find("#enroll-button").click()
-        code = web.find("#enroll-code").text.strip()
-        proc.stdin.write(code + "\n")
-        proc.stdin.flush()
-        out, err = proc.communicate(timeout=60)
+        assert enrolment.url.startswith(f"{origin}/enroll#"), enrolment.url
+        code = register(web, enrolment.url)
+        done = enrolment.finish(code)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    return {"out": out, "code": code, "url": url}
+        enrolment.close()
+    assert done.returncode == 0, done.stderr
+    return {"out": done.stdout, "code": code, "url": enrolment.url}
 
 
 def log_in(web: Browser, origin: str) -> None:

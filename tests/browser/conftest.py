@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from bastion.devtools.sshd_fixture import SshdInfo
-from tests.browser_helper import Browser, browser_missing, enable_console, enroll, log_in
-from tests.harness import Bastion, make_bastion, policy_toml
+from tests.browser_helper import Browser, browser_missing, console_gateway, enroll, log_in
+from tests.harness import Bastion
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +39,8 @@ def web(chromium: None) -> Iterator[Browser]:
 def presence_bastion(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
 ) -> Iterator[tuple[Bastion, str]]:
-    """A gateway whose one account asks presence, its console on; and the console's
-    origin. A card waits a minute: long enough for a browser on a loaded machine."""
-    policy = policy_toml(sshd, approval="per-command", presence="required")
-    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
-    origin = enable_console(b)
-    b.daemon_args = ("--approval-timeout", "60")
-    b.start_daemon()
-    b.unlock()
+    """A gateway whose one account asks presence, its console on; and its origin."""
+    b, origin = console_gateway(tmp_path, sshd, client_key[0])
     try:
         yield b, origin
     finally:

@@ -20,13 +20,13 @@ from tests.browser_helper import (
     approve,
     browser,
     card_element,
-    enable_console,
+    console_gateway,
     enroll,
     first_command,
     log_in,
     next_card,
 )
-from tests.harness import PASSPHRASE, Bastion, make_bastion, policy_toml
+from tests.harness import PASSPHRASE, Bastion
 
 
 def rid_of(b: Bastion, command: str) -> str:
@@ -123,12 +123,7 @@ def two_approvers(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], chromium: None
 ) -> Iterator[tuple[Bastion, Browser, Browser]]:
     """`approvers = 2`: alice and bob, each in a browser of their own, both logged in."""
-    policy = policy_toml(sshd, approval="per-command", presence="required", approvers=2)
-    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
-    origin = enable_console(b)
-    b.daemon_args = ("--approval-timeout", "60")
-    b.start_daemon()
-    b.unlock()
+    b, origin = console_gateway(tmp_path, sshd, client_key[0], approvers=2)
     with browser() as alice, browser() as bob:
         for web, name in ((alice, "alice"), (bob, "bob")):
             web.authenticator(transport="usb")
@@ -180,14 +175,7 @@ def test_any_one_deny_ends_a_two_approver_card(
 def verifying(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], chromium: None
 ) -> Iterator[tuple[Bastion, str]]:
-    policy = policy_toml(
-        sshd, approval="per-command", presence="required", user_verification="required"
-    )
-    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
-    origin = enable_console(b)
-    b.daemon_args = ("--approval-timeout", "60")
-    b.start_daemon()
-    b.unlock()
+    b, origin = console_gateway(tmp_path, sshd, client_key[0], user_verification="required")
     try:
         yield b, origin
     finally:
@@ -251,12 +239,7 @@ def test_screenshots_at_a_desk_and_a_phone_width(
 def granting(
     tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str], web: Browser
 ) -> Iterator[tuple[Bastion, Browser]]:
-    policy = policy_toml(sshd, approval="per-command", presence="required", grants=True)
-    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy, start=False)
-    origin = enable_console(b)
-    b.daemon_args = ("--approval-timeout", "60")
-    b.start_daemon()
-    b.unlock()
+    b, origin = console_gateway(tmp_path, sshd, client_key[0], grants=True)
     try:
         web.authenticator()
         enroll(b, web, "alice", origin)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.server
 import json
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from bastion.ops.opsock import OperatorError
 from bastion.vault import Vault
 from tests.browser_helper import (
     Browser,
+    Enrolment,
     Stolen,
     approve,
     browser,
@@ -39,8 +39,9 @@ from tests.browser_helper import (
     free_port,
     log_in,
     next_card,
+    register,
 )
-from tests.harness import PASSPHRASE, Bastion, cli_argv, wait_for
+from tests.harness import PASSPHRASE, Bastion, wait_for
 from tests.soft_authenticator import SoftAuthenticator
 
 Console = tuple[Bastion, str, Browser]
@@ -264,33 +265,13 @@ def test_enrolling_needs_the_passphrase_and_the_page_s_code(
     with pytest.raises(OperatorError, match="wrong passphrase"):
         b.op("operator_enroll", passphrase="bm9wZQ==", signer_name="mallory")
     # a registration whose code is not the one its page showed is not kept
-    proc = subprocess.Popen(
-        cli_argv(
-            b.home.root,
-            "operator",
-            "enroll",
-            "--name",
-            "mallory",
-            "--passphrase-stdin",
-            "--no-open",
-            "--code-stdin",
-        ),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(PASSPHRASE + "\n")
-    proc.stdin.flush()
-    proc.stdout.readline()
-    web.get(proc.stdout.readline().strip())
-    web.find("#enroll-button").click()
-    shown = web.find("#enroll-code").text
-    proc.stdin.write(("000-000" if shown != "000-000" else "111-111") + "\n")
-    proc.stdin.flush()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "not the code" in err, err
+    enrolment = Enrolment(b, "mallory")
+    try:
+        shown = register(web, enrolment.url)
+        done = enrolment.finish("000-000" if shown != "000-000" else "111-111")
+    finally:
+        enrolment.close()
+    assert done.returncode != 0 and "not the code" in done.stderr, done.stderr
     assert b.op("operator_list") == []
     # a token nobody was given
     thief = Stolen(origin, "")
@@ -463,52 +444,25 @@ def test_a_process_that_sees_the_enrolment_url_cannot_enroll_its_own_authenticat
     takes the passphrase, and the operator, whose page could not register, has no code
     to type. The control: the operator's own enrolment, with both, keeps theirs."""
     b, origin = presence_bastion
-    proc = subprocess.Popen(
-        cli_argv(
-            b.home.root,
-            "operator",
-            "enroll",
-            "--name",
-            "alice",
-            "--passphrase-stdin",
-            "--no-open",
-            "--code-stdin",
-        ),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
+    enrolment = Enrolment(b, "alice")
     try:
-        proc.stdin.write(PASSPHRASE + "\n")
-        proc.stdin.flush()
-        proc.stdout.readline()
-        url = proc.stdout.readline().strip()
-        token = url.split("#", 1)[1]
         with browser() as mallory, browser() as alice:
             mallory.authenticator()
-            mallory.get(url)  # the thief's page, first
-            mallory.find("#enroll-button").click()
-            code = mallory.find("#enroll-code").text
+            code = register(mallory, enrolment.url)  # the thief's page, first
             for passphrase in (None, "d3Jvbmc="):  # none, and a wrong one
-                args = {"token": token, "code": code}
+                args = {"token": enrolment.token, "code": code}
                 if passphrase is not None:
                     args["passphrase"] = passphrase
                 with pytest.raises(OperatorError):
                     b.op("operator_enroll_confirm", **args)
             alice.authenticator()
-            alice.get(url)
+            alice.get(enrolment.url)
             alice.find("#enroll-button").click()
             assert "already registered" in alice.find("#notice").text
-        proc.stdin.write("\n")  # alice's page showed no code: she has none to type
-        proc.stdin.flush()
-        _, err = proc.communicate(timeout=60)
+        done = enrolment.finish("")  # alice's page showed no code: she has none to type
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode != 0 and "not the code" in err, err
+        enrolment.close()
+    assert done.returncode != 0 and "not the code" in done.stderr, done.stderr
     assert b.op("operator_list") == []
     with browser() as alice:
         alice.authenticator()
