@@ -857,6 +857,17 @@ def unknown_id(ident: str, *phrases: str) -> Callable[[World, Out], None]:
     return check
 
 
+def console_off(w: World, r: Out) -> None:
+    """This home's bastion.toml keeps the console off: said, with the fix."""
+    refused(r, "the console is off", "enabled = true")
+    assert "enroll#" not in r.stdout
+
+
+def check_operator_list(w: World, r: Out) -> None:
+    assert "(no signer enrolled: `bastion operator enroll`)" in ok(r).stdout
+    assert json_out(w.cli("operator", "list", "--json")) == []
+
+
 def check_service_install(w: World, r: Out) -> None:
     """The unit needs no gateway: the same text both ways, this home's daemon in it."""
     unit = ok(r).stdout
@@ -919,6 +930,22 @@ ROWS: list[Row] = [
         ("kill",),
         online=Case(("req_nope",), unknown_id("req_nope", "not in flight")),
         offline=Case(("req_nope",)),
+    ),
+    # presence (issue 34): this gateway's console is off, and no signer is enrolled; the
+    # console itself is driven in tests/browser/
+    Row(("console",), online=Case(("--no-open",), console_off), offline=Case(("--no-open",))),
+    Row(
+        ("operator", "enroll"),
+        online=Case(("--name", "x", "--passphrase-stdin", "--no-open"), console_off, PASS),
+        offline=Case(("--name", "x", "--passphrase-stdin", "--no-open"), stdin=PASS),
+    ),
+    Row(("operator", "list"), online=Case((), check_operator_list), offline=NEEDS_GATEWAY),
+    Row(
+        ("operator", "remove"),
+        online=Case(
+            ("nobody", "--passphrase-stdin"), unknown_id("nobody", "no enrolled signer"), PASS
+        ),
+        offline=Case(("nobody", "--passphrase-stdin"), stdin=PASS),
     ),
     Row(
         ("request",),
