@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bastion.cli.promptkeys import GUARD
-from tests.harness import Bastion, Terminal
+from bastion.devtools.sshd_fixture import SshdInfo
+from tests.harness import Bastion, Terminal, make_bastion, policy_toml
 
 
 @pytest.fixture
@@ -96,3 +98,44 @@ def test_a_and_s_show_the_views_rows_in_the_prompt(bastion: Bastion, prompt: Ter
     assert "last 5 requests:" in screen and "@web1" in screen
     every = bastion.op("audit", view="activity")
     assert bastion.op("audit", view="activity", last=1) == every[-1:] and every
+
+
+@pytest.fixture
+def presence_account(
+    tmp_path: Path, sshd: SshdInfo, client_key: tuple[Path, str]
+) -> Iterator[Bastion]:
+    """An account with `presence = "required"`, the console off: nothing here can
+    approve its cards (issue 34)."""
+    policy = policy_toml(sshd, presence="required")
+    b = make_bastion(tmp_path, sshd, client_key[0], policy=policy)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def test_the_prompt_can_deny_a_presence_card_but_not_approve_it(
+    presence_account: Bastion,
+) -> None:
+    """A yes at the terminal is refused and the card stays on screen, with where to approve
+    it; n denies it. The control is the first test here: the same keys approve a card of
+    an account without presence."""
+    b = presence_account
+    term = Terminal([sys.executable, "-m", "bastion.cli", "--home", str(b.home.root), "approve"])
+    try:
+        term.expect("waiting for cards")
+        agent = b.agent()
+        rid = agent.start("echo never")
+        card = term.expect("approve? [y/n then Enter")
+        assert "approve it in the console" in card, card
+        time.sleep(GUARD + 0.2)  # keys within the guard of a new card are ignored
+        term.answer("y")
+        term.expect("presence-signed approval")
+        term.expect("approve? [y/n then Enter")  # asked again: the card is still open
+        assert len(b.op("pending", wait=0)) == 1
+        time.sleep(GUARD + 0.2)
+        term.answer("n")
+        term.expect("denied")
+        assert agent.wait(rid).code == "SESSION_DENIED"
+    finally:
+        term.close()
