@@ -155,6 +155,8 @@ WAITING_FOR_THE_PASSPHRASE: dict[tuple[str, ...], list[str]] = {
     ("audit", "activity"): ["audit", "activity", "--passphrase-stdin"],
     ("audit", "sessions"): ["audit", "sessions", "--passphrase-stdin"],
     ("audit", "export"): ["audit", "export", "--passphrase-stdin"],
+    ("operator", "enroll"): ["operator", "enroll", "--passphrase-stdin", "--no-open"],
+    ("operator", "remove"): ["operator", "remove", "alice", "--passphrase-stdin"],
 }
 
 
