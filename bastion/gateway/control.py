@@ -30,7 +30,7 @@ from bastion.core.policy import PolicyError
 from bastion.gateway.approvals import ApprovalBook, CardError, GrantAsk
 from bastion.gateway.authority import Authority
 from bastion.gateway.opserver import OPERATOR_ARG, Handler
-from bastion.gateway.recorder import ForeignRecords
+from bastion.gateway.recorder import ForeignRecords, Recorder
 from bastion.gateway.service import Service
 from bastion.gateway.signers import Signers, SignersError
 from bastion.home import Home
@@ -120,7 +120,7 @@ class GatewayView(Protocol):
     witness: Witness | None
     foreign: ForeignRecords
     signers: Signers
-    recorder: Any  # the gateway's `Recorder` (the console adds a sink)
+    recorder: Recorder  # the console adds a sink to it
 
     @property
     def console_url(self) -> str | None: ...
@@ -222,10 +222,7 @@ class Control:
         }
 
     async def unlock(self, args: dict[str, Any]) -> dict[str, Any]:
-        try:
-            passphrase = base64.b64decode(text_arg(args, "passphrase"), validate=True)
-        except ValueError:
-            raise OperatorError("malformed passphrase field") from None
+        passphrase = self._passphrase(args)
         try:
             await self.authority.unlock(passphrase)
         except VaultError as exc:
