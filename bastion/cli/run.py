@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ KILL_PATIENCE = 10.0  # then give up on what will not die (uninterruptible sleep
 ISOLATED_HOME = Path("/tmp/home")  # an isolated agent's HOME: in the run's own /tmp
 GIVEN_WORDS, GIVEN_WORD = 16, 200  # what a registration may say it was given (the header's 4 KiB)
 NESTED = "1"  # the run's SHLVL where it had none: see `nested`
+KEPT_LABEL = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a --keep-home label: its directory's name
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -137,8 +139,12 @@ def _sandboxed(pid: int) -> list[int]:
     return []
 
 
-def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
+def _supervise(
+    argv: list[str], sandboxed: bool, started: Callable[[int], Any] | None = None, **popen: Any
+) -> int:
     """Run argv as this process's child; return its exit code (128+N for signal N).
+    `started(pid)`: called once the child runs (the sandbox's network, `Sandbox.started`);
+    what it returns is closed when the run ends; if it raises, the child is killed.
 
     This process is the child subreaper of the tree, so whatever the agent
     detaches (double fork, setsid) stays below it; SIGINT, SIGTERM, SIGHUP and
@@ -155,6 +161,15 @@ def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
         child = subprocess.Popen(argv, **popen)
     except (OSError, subprocess.SubprocessError) as exc:
         fail(f"cannot start {argv[0]}: {getattr(exc, 'strerror', None) or exc}", 127)
+    held = None
+    if started is not None:
+        try:
+            held = started(child.pid)
+        except OSError as exc:
+            child.kill()
+            child.wait()
+            _end_tree()
+            fail(f"cannot sandbox the agent: {exc.strerror or exc}. Nothing was started.", 127)
     reaped = False
 
     def send(n: int) -> None:
@@ -184,6 +199,8 @@ def _supervise(argv: list[str], sandboxed: bool, **popen: Any) -> int:
             break
     reaped = True
     child.returncode = code = os.waitstatus_to_exitcode(status)
+    if held is not None:
+        held.close()
     _end_tree()
     return code if code >= 0 else 128 - code
 
@@ -280,11 +297,33 @@ def _prepare(
     given: sandbox_mod.Given,
     iso: Isolation | None,
     keys: ThrowawayAgent | None = None,
-) -> sandbox_mod.Sandbox:
-    """The run's sandbox, or fail with the reason and the fix: nothing has started.
-    `keys`: the run's throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
+    label: str = "",
+) -> tuple[sandbox_mod.Sandbox, str]:
+    """The run's sandbox and the word that names its project on the registration, or
+    fail with the reason and the fix: nothing has started. `keys`: the run's
+    throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
+    import dataclasses
+
+    word = ""
     if iso is None:
         layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
+        project = sandbox_mod.project_of(layout.cwd)
+        why = sandbox_mod.door_refusal(project, layout)
+        if why is not None and project != layout.cwd:
+            project, why = layout.cwd, sandbox_mod.door_refusal(layout.cwd, layout)
+        if why is None:
+            layout = dataclasses.replace(layout, project=project)
+            word = f"project {project}"
+        else:
+            word = "project: none"
+            click.echo(
+                f"bastion: the run's writes stay in its own home overlay: no project is "
+                f"given, since {why}. Start the run in the project's directory, or give "
+                "--rw DIR.",
+                err=True,
+            )
+        if given.keep_home:
+            layout = dataclasses.replace(layout, kept=_kept_home(label))
         env: dict[str, str] = nested(os.environ)
         where: dict[str, Any] = {}
     else:
@@ -296,17 +335,35 @@ def _prepare(
             home=ISOLATED_HOME,
             runtime_dir=None,
             cwd=ISOLATED_HOME,
+            overlay=False,
         )
         env = agent_env(iso, ISOLATED_HOME)
         where = {"chdir": ISOLATED_HOME, "make_dir": True, "user": (iso.uid, iso.gid)}
     if keys is not None:
         where["agent_auth"] = (keys.directory, keys.inside.parent)
     try:
-        return sandbox_mod.prepare(layout, env, given, **where)
+        return sandbox_mod.prepare(layout, env, given, **where), word
     except sandbox_mod.Unavailable as exc:
         fail(f"cannot sandbox the agent: {exc.reason}. Fix: {exc.fix}. Nothing was started.")
     except ValueError as exc:
         fail(f"cannot sandbox the agent: {exc}")
+
+
+def _kept_home(label: str) -> Path:
+    """The label's kept home overlay, made if new (`layer.kept_home`)."""
+    from bastion.sandbox import layer
+
+    if not KEPT_LABEL.fullmatch(label) or label in (".", ".."):
+        fail(
+            f"--keep-home names its directory after the label: {label!r} must be 1-64 "
+            "letters, digits, '.', '_' or '-'"
+        )
+    path = layer.kept_home(os.geteuid(), label)
+    try:
+        layer.make_kept(path)
+    except OSError as exc:
+        fail(f"cannot keep the run's home in {path}: {exc.strerror or exc}")
+    return path
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -331,8 +388,43 @@ def _prepare(
 @click.option(
     "--private-home",
     is_flag=True,
-    help="An empty HOME of the run's own (the working directory, if inside HOME, stays). "
+    help="An empty HOME of the run's own instead of the overlay (the project stays). "
     "Shown on the run's cards.",
+)
+@click.option(
+    "--rw",
+    "rw",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Give the run this path read-write, as it is on the disk (besides the project). "
+    "Not the home, its start-up files, the bastion home or bastion itself. Repeatable; "
+    "shown on the run's cards.",
+)
+@click.option(
+    "--expose",
+    "expose",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Give the run back, read-only, a path the sandbox hides (a browser profile, a "
+    "CLI's credentials, a key). Repeatable; shown on the run's cards.",
+)
+@click.option(
+    "--rw-git",
+    is_flag=True,
+    help="Let the run change the project's .git/config, hooks and the other files git "
+    "runs code from (read-only by default). Shown on the run's cards.",
+)
+@click.option(
+    "--share-net",
+    is_flag=True,
+    help="Give the run the host's network, loopback included (the console, local "
+    "services), instead of its own. Shown on the run's cards.",
+)
+@click.option(
+    "--keep-home",
+    is_flag=True,
+    help="Keep the run's home overlay for the next run of the same --label (in "
+    "/var/tmp/bastion-UID/homes/LABEL, outside the home). Shown on the run's cards.",
 )
 @click.option(
     "--no-sandbox",
@@ -356,6 +448,11 @@ def run(
     hide: tuple[Path, ...],
     ro: tuple[Path, ...],
     private_home: bool,
+    rw: tuple[Path, ...],
+    expose: tuple[Path, ...],
+    rw_git: bool,
+    share_net: bool,
+    keep_home: bool,
     no_sandbox: bool,
     isolated: bool,
     command: tuple[str, ...],
@@ -365,12 +462,19 @@ def run(
     live process tree by the gateway, never from an environment variable), and
     nothing it starts outlives it.
 
-    The sandbox (bubblewrap, Landlock, no_new_privs) hides the bastion home but
-    the agent socket, $XDG_RUNTIME_DIR, ~/.gnupg, the private keys in ~/.ssh,
-    tmux and screen sockets, and gives the run its own /tmp; the run sees no
-    process outside it and has no controlling terminal of yours. Where the
-    sandbox cannot be made, nothing starts: the message says what to install or
-    turn on. SSH_AUTH_SOCK inside names a throwaway agent of the run's own, with one
+    The sandbox (bubblewrap, Landlock, no_new_privs) writes only where it was
+    given: the system is read-only, HOME is an overlay whose writes are the run's
+    own (gone at exit; --keep-home keeps them per --label), /tmp is its own, and
+    the project -- the working directory's git work tree, or the working
+    directory -- is the one real door (its .git/config and hooks read-only unless
+    --rw-git; --rw gives more). It hides the bastion home but the agent socket,
+    browser profiles, password stores and keyrings, ssh private keys, ~/.gnupg,
+    cloud, container, kubernetes and git credentials, $XDG_RUNTIME_DIR, tmux and
+    screen sockets (--expose gives one back); its network is its own, with the
+    host's loopback out of reach (--share-net opts out); the run sees no process
+    outside it and has no controlling terminal of yours. Where the sandbox cannot
+    be made, nothing starts: the message says what to install or turn on.
+    SSH_AUTH_SOCK inside names a throwaway agent of the run's own, with one
     key that identifies nothing, for clients that want a key (paramiko, fabric);
     --no-sandbox runs keep the environment as it is, but for SHLVL: every run has
     SHLVL=1 where it was unset or 0, because ssh runs the ProxyCommand through
@@ -383,10 +487,25 @@ def run(
     and BASTION_SSH_CONFIG and nothing else."""
     home = home_of(ctx)
     given = sandbox_mod.Given(
-        tuple(p.absolute() for p in hide), tuple(p.absolute() for p in ro), private_home
+        hide=tuple(p.absolute() for p in hide),
+        ro=tuple(p.absolute() for p in ro),
+        private_home=private_home,
+        rw=tuple(p.absolute() for p in rw),
+        expose=tuple(p.absolute() for p in expose),
+        rw_git=rw_git,
+        share_net=share_net,
+        keep_home=keep_home,
     )
     if no_sandbox and given != sandbox_mod.Given():
-        fail("--hide, --ro and --private-home shape the sandbox; --no-sandbox has none")
+        fail(
+            "--hide, --ro, --rw, --expose, --rw-git, --share-net, --private-home and "
+            "--keep-home shape the sandbox; --no-sandbox has none"
+        )
+    if keep_home and (not label or private_home or isolated):
+        fail(
+            "--keep-home keeps the home overlay of one --label: give --label NAME, "
+            "without --private-home or --isolated"
+        )
     iso = None
     if isolated:
         if agent_socket is not None:
@@ -398,15 +517,19 @@ def run(
     words = given.words()
     if any(len(w) > GIVEN_WORD for w in words) or len(words) > GIVEN_WORDS:
         fail(
-            f"the run's card shows what it was given: at most {GIVEN_WORDS} --hide/--ro "
-            f"paths of at most {GIVEN_WORD - 6} characters each; give a shorter path "
-            "(a parent directory)"
+            f"the run's card shows what it was given: at most {GIVEN_WORDS} --hide/--ro/"
+            f"--rw/--expose paths of at most {GIVEN_WORD - 10} characters each; give a "
+            "shorter path (a parent directory)"
         )
     # The sandbox hides the user's keys and agent: it gets one of its own (none without a
     # sandbox, which sees the user's as they are).
     keys = None if no_sandbox else _throwaway_agent(iso)
     try:
-        box = None if no_sandbox else _prepare(home, socket_path, given, iso, keys)
+        box, project = (
+            (None, None) if no_sandbox else _prepare(home, socket_path, given, iso, keys, label)
+        )
+        if box is not None and iso is None:
+            words = [project, *words]
         code = _start(socket_path, label, words, box, iso, command)
     finally:
         if keys is not None:
@@ -445,6 +568,7 @@ def _start(
         # terminal: it cannot push keystrokes into it (TIOCSTI).
         "start_new_session": True,
         "preexec_fn": box.preexec,
+        "pass_fds": box.pass_fds,
     }
     if iso is not None:
         popen |= {"user": iso.uid, "group": iso.gid, "extra_groups": [iso.gid], "cwd": "/"}
@@ -454,4 +578,7 @@ def _start(
             box.preexec()
 
         popen["preexec_fn"] = preexec
-    return _supervise(box.command(command), True, **popen)
+    try:
+        return _supervise(box.command(command), True, box.started, **popen)
+    finally:
+        box.close()

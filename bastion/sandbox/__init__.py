@@ -1,7 +1,8 @@
 """The sandbox room: what a `bastion run` puts around an agent, and whether it can.
 
-- `per_run`: the sandbox made for each run (bubblewrap, Landlock scopes); this face
-  names its public names.
+- `per_run`: the sandbox made for each run (bubblewrap, Landlock scopes): what a run
+  writes (its doors), what it must not read (`HIDDEN`); this face names its public names.
+- `layer`: what the child mounts before bwrap: the home overlay, the run's own network.
 - `isolation`: strong isolation, an agent running as its own uid.
 - `run_agent`: the throwaway ssh agent a run's sandbox is offered.
 - `memory`: a process's memory, closed to the other processes of its uid.
@@ -11,6 +12,8 @@
 from bastion.sandbox.per_run import (
     BWRAP,
     DROPPED_ENV,
+    GIT_CODE,
+    HIDDEN,
     LANDLOCK_CREATE_RULESET_VERSION,
     LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET,
     LANDLOCK_SCOPE_SIGNAL,
@@ -21,20 +24,22 @@ from bastion.sandbox.per_run import (
     PERSISTENT,
     PR_SET_NO_NEW_PRIVS,
     PRIVATE_KEY_MARKS,
-    ROOT_READ_ONLY,
     SYS_LANDLOCK_CREATE_RULESET,
     SYS_LANDLOCK_RESTRICT_SELF,
     SYSTEM_DEPUTIES,
     Given,
+    Hidden,
     Layout,
     Machine,
     Sandbox,
     Unavailable,
     check_door,
     check_given,
+    door_refusal,
     enter_scopes,
     environment,
     find_bwrap,
+    hidden_paths,
     installation,
     is_private_key,
     landlock_abi,
@@ -44,11 +49,14 @@ from bastion.sandbox.per_run import (
     namespaces_off,
     preflight,
     prepare,
+    project_of,
 )
 
 __all__ = [
     "BWRAP",
     "DROPPED_ENV",
+    "GIT_CODE",
+    "HIDDEN",
     "LANDLOCK_CREATE_RULESET_VERSION",
     "LANDLOCK_SCOPES_ABI",
     "LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET",
@@ -59,20 +67,22 @@ __all__ = [
     "PERSISTENT",
     "PRIVATE_KEY_MARKS",
     "PR_SET_NO_NEW_PRIVS",
-    "ROOT_READ_ONLY",
     "SYSTEM_DEPUTIES",
     "SYS_LANDLOCK_CREATE_RULESET",
     "SYS_LANDLOCK_RESTRICT_SELF",
     "Given",
+    "Hidden",
     "Layout",
     "Machine",
     "Sandbox",
     "Unavailable",
     "check_door",
     "check_given",
+    "door_refusal",
     "enter_scopes",
     "environment",
     "find_bwrap",
+    "hidden_paths",
     "installation",
     "is_private_key",
     "landlock_abi",
@@ -82,4 +92,5 @@ __all__ = [
     "namespaces_off",
     "preflight",
     "prepare",
+    "project_of",
 ]

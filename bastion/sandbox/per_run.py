@@ -1,37 +1,45 @@
 """One sandbox per agent run: what `bastion run` puts around CMD, and whether it can.
 
-The sandbox is made by bubblewrap (`bwrap`, Debian's `bubblewrap` package: the
-tool flatpak and the agent programs themselves use, kept up to date by the
-distribution) and two kernel features it leaves to its caller:
+The model is turned around from "hide what matters": **a run writes only where it
+was given**, and reads everything else of the user's but what `HIDDEN` lists.
 
-- **namespaces** (bwrap): a user namespace (no privilege needed, and no
-  capability kept in it: `--cap-drop ALL`, so not even a run started by root
-  can undo a mount), a PID namespace (the run sees only its own processes, so
-  it cannot list, signal or ptrace anything outside; when `bastion run` dies,
-  `--die-with-parent` kills the namespace's first process and the kernel the
-  rest), a mount namespace (what is hidden below) and an IPC namespace; and a
-  new session (`--new-session`), so the operator's terminal is nobody's
-  controlling terminal inside and TIOCSTI cannot push keystrokes into it.
-- **Landlock** scopes (kernel ABI >= 6): no connection to an abstract unix
-  socket made outside the sandbox (an X11 display, a session bus on an
-  abstract address) and no signal to a process outside it; plus
-  `no_new_privs`, so no setuid or setgid program (crontab, at) gains anything.
-  Both are applied to `bwrap` itself, before its exec (`enter_scopes`), and
-  every process of the run inherits them.
+- The system is read-only (`--ro-bind / /`), for every user, root included.
+- `$HOME` is an overlay whose writes are the run's own (`layer.py`): gone with the
+  run, or kept per label outside the home (`--keep-home`). A rename, a replace or a
+  file that did not exist at start lands in the overlay, never on the disk, so
+  nothing the operator runs later (start-up files, `~/.local/bin`, the Python user
+  site, `~/.ssh/authorized_keys`, the bastion home's parents) can be planted.
+- The **project** is the one real door: the working directory's git work tree (or
+  the working directory), bound read-write as it is, with `.git/config`,
+  `.git/hooks` and the other files git runs code from read-only unless `--rw-git`.
+  `--rw PATH` gives one more door. A door may not hold what a run must not change
+  (the bastion home, bastion's installation, the home itself or its start-up files):
+  `door_refusal` says why.
+- What a run must not read is hidden, one row per reason (`HIDDEN`): the bastion
+  home (but the agent socket's directory, bound back read-only), browser profiles,
+  password stores and keyrings, ssh private keys, `~/.gnupg`, the credential files
+  of common CLIs, the deputies of the session and of the machine. `--expose PATH`
+  gives one back, read-only.
+- The network is the run's own (`layer.Network`: slirp4netns with the host's
+  loopback not mapped): outbound works, the operator's loopback services (the
+  console, an OpenBao, a database, a dev server) cannot be reached. `--share-net`
+  opts out.
 
-Inside, the agent sees the user's files and the network as before, except
-what `plan` hides: $BASTION_HOME (vault, journal, policies, host key, the
-operator socket) with only the agent socket's directory bound back,
-read-only; $XDG_RUNTIME_DIR (D-Bus session bus, systemd --user, ssh-agent,
-Wayland); ~/.gnupg; the private keys in ~/.ssh (its other files stay, read
-only); tmux and screen sockets; the cron and at spools; the system bus and
-systemd's private socket; and /tmp, which is the run's own. Variables that
-name what is hidden (SSH_AUTH_SOCK, TMUX, DISPLAY, ...) are left out of the
-environment; SSH_AUTH_SOCK then names the run's throwaway agent, one key that
-identifies nothing (`run_agent.py`), for clients that want a key to connect.
+bubblewrap (`bwrap`, Debian's `bubblewrap` package: the tool flatpak uses, kept up
+to date by the distribution) makes the namespaces: a user namespace with no
+capability kept in it (`--cap-drop ALL`), a PID namespace (the run sees only its
+own processes; when `bastion run` dies, `--die-with-parent` and the kernel end them
+all), a mount namespace and an IPC namespace, and a new session (`--new-session`),
+so the operator's terminal is nobody's controlling terminal inside and TIOCSTI
+cannot push keystrokes into it. Landlock scopes (kernel ABI >= 6: no connection to
+an abstract unix socket made outside the sandbox, no signal to a process outside it)
+and `no_new_privs` are applied to bwrap itself before its exec (`enter_scopes`).
+Variables that name what is hidden (SSH_AUTH_SOCK, TMUX, DISPLAY, ...) are left out
+of the environment; SSH_AUTH_SOCK then names the run's throwaway agent
+(`run_agent.py`), one key that identifies nothing, for clients that want a key.
 
 Where the sandbox cannot be made, `preflight` says why and what fixes it
-(`Unavailable`): `bastion run` then starts nothing.
+(`Unavailable`): `bastion run` then registers nothing and starts nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bastion.core.errors import BastionError
+from bastion.sandbox import layer as layer_mod
 
 BWRAP = "bwrap"
 NAMESPACES = ("--unshare-user", "--unshare-pid", "--unshare-ipc")
@@ -68,31 +77,109 @@ DROPPED_ENV = frozenset(
         "GNOME_KEYRING_CONTROL",
     }
 )
-# Deputies of the whole machine: they act for whoever may reach them (for root, the
-# system bus and systemd run anything), and no agent needs them to do its work.
-SYSTEM_DEPUTIES = (
-    "/run/dbus/system_bus_socket",
-    "/run/systemd/private",
-    "/run/systemd/io.system.ManagedOOM",
-    "/var/spool/cron",
-    "/var/spool/at",
-    "/var/spool/atjobs",
-    "/run/screen",
-    # Container and VM managers: whoever reaches them (a member of the docker group) is root.
-    "/run/docker.sock",
-    "/run/containerd",
-    "/run/podman",
-    "/run/libvirt",
-    "/run/snapd.socket",
-    "/run/snapd-snap.socket",
-)
-# What the operator will run later, so a run must not change it: the shell's start-up
-# files, what a session starts by itself, and (see `installation`) bastion itself.
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """One row of what a run must not read: `where` is `~/PATH` (in the user's home),
+    an absolute path, or `$NAME` (a path the layout reads from the environment)."""
+
+    where: str
+    why: str
+
+
+_BROWSER = "a browser profile: its cookies (the console's among them) and saved passwords"
+_CLOUD = "a cloud CLI's credentials"
+# What a run must not read, one reason a row (docs/sandbox.md shows the table; tests
+# try rows from inside a run). `--expose PATH` gives a row (or a path inside one) back.
+HIDDEN: tuple[Hidden, ...] = (
+    Hidden("$BASTION_HOME", "bastion's home: the vault, journal, policies, host key and "
+           "operator socket (the agent socket's directory comes back, read-only)"),
+    Hidden("$XDG_RUNTIME_DIR", "the session's deputies: its bus and keyring, systemd --user, "
+           "the ssh-agent and Wayland sockets"),
+    Hidden("$SSH_AUTH_SOCK", "your ssh-agent: it signs with your keys"),
+    Hidden("$TMUX", "your tmux server: send-keys types into your panes"),
+    Hidden("$TMUX_TMPDIR", "your tmux servers' sockets"),
+    Hidden("$SCREENDIR", "your screen sessions' sockets"),
+    Hidden("~/.screen", "your screen sessions' sockets"),
+    Hidden("~/.ssh", "your ssh private keys (the directory's other files -- config, "
+           "known_hosts, *.pub -- come back, read-only)"),
+    Hidden("~/.gnupg", "your OpenPGP private keys and gpg-agent"),
+    Hidden("~/.pki", "the NSS database: client certificates and their keys"),
+    Hidden("~/.config/chromium", _BROWSER),
+    Hidden("~/.config/google-chrome", _BROWSER),
+    Hidden("~/.config/google-chrome-beta", _BROWSER),
+    Hidden("~/.config/google-chrome-unstable", _BROWSER),
+    Hidden("~/.config/BraveSoftware", _BROWSER),
+    Hidden("~/.config/microsoft-edge", _BROWSER),
+    Hidden("~/.config/microsoft-edge-beta", _BROWSER),
+    Hidden("~/.config/microsoft-edge-dev", _BROWSER),
+    Hidden("~/.config/vivaldi", _BROWSER),
+    Hidden("~/.config/opera", _BROWSER),
+    Hidden("~/.mozilla", _BROWSER),
+    Hidden("~/.librewolf", _BROWSER),
+    Hidden("~/snap/firefox", _BROWSER),
+    Hidden("~/snap/chromium", _BROWSER),
+    Hidden("~/.var/app/org.mozilla.firefox", _BROWSER),
+    Hidden("~/.var/app/org.chromium.Chromium", _BROWSER),
+    Hidden("~/.var/app/com.google.Chrome", _BROWSER),
+    Hidden("~/.var/app/com.brave.Browser", _BROWSER),
+    Hidden("~/.var/app/com.microsoft.Edge", _BROWSER),
+    Hidden("~/.password-store", "pass's password store"),
+    Hidden("~/.local/share/keyrings", "the GNOME keyring's files"),
+    Hidden("~/.local/share/kwalletd", "KWallet's files"),
+    Hidden("~/.config/Bitwarden", "Bitwarden's vault"),
+    Hidden("~/.config/Bitwarden CLI", "Bitwarden's vault"),
+    Hidden("~/.config/1Password", "1Password's vault"),
+    Hidden("~/.aws", _CLOUD),
+    Hidden("~/.config/gcloud", _CLOUD),
+    Hidden("~/.azure", _CLOUD),
+    Hidden("~/.oci", _CLOUD),
+    Hidden("~/.config/doctl", _CLOUD),
+    Hidden("~/.config/hcloud", _CLOUD),
+    Hidden("~/.config/openstack", _CLOUD),
+    Hidden("~/.terraform.d/credentials.tfrc.json", "Terraform's API tokens"),
+    Hidden("~/.vault-token", "a Vault or OpenBao token"),
+    Hidden("~/.docker", "container registries' credentials (docker)"),
+    Hidden("~/.config/containers/auth.json", "container registries' credentials (podman)"),
+    Hidden("~/.kube", "kubernetes clusters' credentials"),
+    Hidden("~/.git-credentials", "git's stored credentials"),
+    Hidden("~/.config/git/credentials", "git's stored credentials"),
+    Hidden("~/.config/gh", "GitHub CLI's token"),
+    Hidden("~/.config/glab-cli", "GitLab CLI's token"),
+    Hidden("~/.netrc", "logins for ftp, curl, git and pip"),
+    Hidden("~/.npmrc", "npm's registry tokens"),
+    Hidden("~/.pypirc", "PyPI upload tokens"),
+    Hidden("~/.cargo/credentials", "crates.io tokens"),
+    Hidden("~/.cargo/credentials.toml", "crates.io tokens"),
+    Hidden("~/.gem/credentials", "RubyGems tokens"),
+    Hidden("$KEPT_HOMES", "the homes other runs kept (`--keep-home`)"),
+    # Deputies of the whole machine: they act for whoever may reach them (for root, the
+    # system bus and systemd run anything), and no agent needs them to do its work.
+    Hidden("/run/dbus/system_bus_socket", "the system bus"),
+    Hidden("/run/systemd/private", "systemd's private socket"),
+    Hidden("/run/systemd/io.system.ManagedOOM", "systemd-oomd's socket"),
+    Hidden("/var/spool/cron", "cron's spool: a job runs outside the run"),
+    Hidden("/var/spool/at", "at's spool: a job runs outside the run"),
+    Hidden("/var/spool/atjobs", "at's spool: a job runs outside the run"),
+    Hidden("/run/screen", "screen sessions' sockets"),
+    Hidden("/run/docker.sock", "docker: whoever reaches it is root"),
+    Hidden("/run/containerd", "containerd: whoever reaches it is root"),
+    Hidden("/run/podman", "podman's service: whoever reaches it is root"),
+    Hidden("/run/libvirt", "libvirt: whoever reaches it is root"),
+    Hidden("/run/snapd.socket", "snapd: whoever reaches it is root"),
+    Hidden("/run/snapd-snap.socket", "snapd: whoever reaches it is root"),
+)  # fmt: skip
+SYSTEM_DEPUTIES = tuple(h.where for h in HIDDEN if h.where.startswith("/"))
+# What the operator runs later, so no door (the project, a `--rw`) may hold it: the
+# shell's start-up files, what a session starts by itself, bastion itself. The overlay
+# keeps every one of them from the disk; a door would give them back.
 PERSISTENT = (
     ".bashrc",
     ".bash_profile",
     ".bash_login",
     ".bash_logout",
+    ".bash_aliases",
     ".profile",
     ".zshrc",
     ".zshenv",
@@ -103,16 +190,14 @@ PERSISTENT = (
     ".inputrc",
     ".tmux.conf",
     ".screenrc",
-    ".config/fish",
-    ".config/tmux",
-    ".config/systemd",
-    ".config/autostart",
-    ".config/environment.d",
-    ".local/share/systemd",
-    ".config/bastion",
+    ".gitconfig",
+    ".ssh",
+    ".config",
+    ".local",
 )
-# A run started by root owns what root owns: the system's own files stay read-only.
-ROOT_READ_ONLY = ("/etc", "/usr", "/boot", "/opt", "/var/lib", "/var/spool")
+# What git runs code from in a repository (hooks, fsmonitor, filters, aliases,
+# core.sshCommand ...): read-only in every door unless `--rw-git`.
+GIT_CODE = ("config", "config.worktree", "hooks", "info", "modules", "worktrees")
 NAMESPACE_WORDS = {"user": "user", "pid": "PID", "mnt": "mount", "ipc": "IPC"}
 PRIVATE_KEY_MARKS = (b"PRIVATE KEY", b"SSH2 ENCRYPTED PRIVATE KEY", b"PuTTY-User-Key-File")
 
@@ -137,15 +222,28 @@ class Unavailable(BastionError):
 
 @dataclass(frozen=True)
 class Given:
-    """What a run was given beyond the defaults: the run's card shows each."""
+    """What a run was given beyond the defaults: its registration, its cards and
+    `bastion status` name each."""
 
     hide: tuple[Path, ...] = ()
     ro: tuple[Path, ...] = ()
     private_home: bool = False
+    rw: tuple[Path, ...] = ()
+    expose: tuple[Path, ...] = ()
+    rw_git: bool = False
+    share_net: bool = False
+    keep_home: bool = False
 
     def words(self) -> list[str]:
-        out = [f"--hide {p}" for p in self.hide] + [f"--ro {p}" for p in self.ro]
-        return out + (["--private-home"] if self.private_home else [])
+        out = [f"--rw {p}" for p in self.rw] + [f"--expose {p}" for p in self.expose]
+        out += [f"--hide {p}" for p in self.hide] + [f"--ro {p}" for p in self.ro]
+        flags = (
+            ("--private-home", self.private_home),
+            ("--keep-home", self.keep_home),
+            ("--rw-git", self.rw_git),
+            ("--share-net", self.share_net),
+        )
+        return out + [word for word, on in flags if on]
 
 
 @dataclass(frozen=True)
@@ -158,11 +256,15 @@ class Layout:
     runtime_dir: Path | None  # $XDG_RUNTIME_DIR (or /run/user/UID)
     cwd: Path
     extra_hidden: tuple[Path, ...] = field(default=())  # SSH_AUTH_SOCK, TMUX_TMPDIR, ...
-    read_only: tuple[Path, ...] = field(default=())  # rc files, autostart, bastion itself
+    read_only: tuple[Path, ...] = field(default=())  # bastion itself (see `installation`)
+    project: Path | None = None  # the door: see `project_of`
+    overlay: bool = True  # the home is an overlay (False: an isolated agent's /tmp home)
+    kept: Path | None = None  # `--keep-home`: the label's upper layer (layer.kept_home)
 
 
 def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) -> Layout:
-    """The layout for this process's user, from its environment."""
+    """The layout for this process's user, from its environment (the project is set
+    by `with_project`, once what the run was given is known)."""
     home = Path(env.get("HOME") or os.path.expanduser("~"))
     runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
     extra = []
@@ -171,7 +273,6 @@ def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) ->
             extra.append(Path(env[name]))
     if env.get("TMUX"):  # "socket,pid,session": a server started with -S lives anywhere
         extra.append(Path(env["TMUX"].split(",")[0]))
-    extra.append(home / ".screen")
     return Layout(
         bastion_home=bastion_home.absolute(),
         agent_dir=agent_socket.absolute().parent,
@@ -179,16 +280,16 @@ def layout_of(bastion_home: Path, agent_socket: Path, env: Mapping[str, str]) ->
         runtime_dir=Path(runtime),
         cwd=Path.cwd(),
         extra_hidden=tuple(extra),
-        read_only=(*(home / p for p in PERSISTENT), *installation()),
+        read_only=installation(),
     )
 
 
 def installation() -> tuple[Path, ...]:
     """bastion as the operator runs it: its package (for a checkout installed in
     place, the checkout), the Python environment it runs in and its `bastion`
-    command. A run that could rewrite them would rewrite the next `bastion approve`;
-    bound read-only after `/tmp` is hidden, they stay there for a run wherever they
-    live (a checkout under /tmp included)."""
+    command. A run that could rewrite them would rewrite the next `bastion approve`:
+    no door may hold them, and they are bound read-only after `/tmp` is made the
+    run's own, so they stay there for a run wherever they live (under /tmp too)."""
     import sys
 
     import bastion
@@ -201,7 +302,34 @@ def installation() -> tuple[Path, ...]:
     command = shutil.which("bastion")
     if command:
         found.append(Path(command).resolve())
-    return tuple(found)
+        found.append(Path(command).absolute())  # a pipx-style link, and what it links to
+    return tuple(dict.fromkeys(found))
+
+
+def hidden_paths(layout: Layout, env: Mapping[str, str] | None = None) -> list[tuple[Path, str]]:
+    """HIDDEN's rows as this user's paths (a `$NAME` the environment does not set, or a
+    path that does not exist, hides nothing: a name made in the run lands in its own
+    overlay or is refused by the read-only system)."""
+    named = {
+        "$BASTION_HOME": [layout.bastion_home],
+        "$XDG_RUNTIME_DIR": [layout.runtime_dir] if layout.runtime_dir else [],
+        "$KEPT_HOMES": [layer_mod.kept_root(os.geteuid())],
+    }
+    extra = list(layout.extra_hidden)
+    out: list[tuple[Path, str]] = []
+    for row in HIDDEN:
+        if row.where.startswith("~/"):
+            paths = [layout.home / row.where[2:]]
+        elif row.where.startswith("/"):
+            paths = [Path(row.where)]
+        elif row.where in named:
+            paths = named[row.where]
+        else:  # SSH_AUTH_SOCK, TMUX, TMUX_TMPDIR, SCREENDIR: read into extra_hidden
+            paths, extra = extra[:1], extra[1:]
+            paths = paths if env is None or env.get(row.where[1:]) or paths else []
+        out += [(p, row.why) for p in paths]
+    out += [(p, "named by the environment") for p in extra]
+    return out
 
 
 def _exists(p: Path) -> bool:
@@ -250,6 +378,89 @@ def namespaces(root: bool) -> tuple[str, ...]:
     return NAMESPACES[1:] if root else NAMESPACES
 
 
+# -- the doors ----------------------------------------------------------------------------
+
+
+def project_of(cwd: Path) -> Path:
+    """The project a run works on: the git work tree the working directory is in (so
+    that `git commit` from a subdirectory reaches the repository), else the directory."""
+    for d in (cwd, *cwd.parents):
+        if (d / ".git").exists():
+            return d
+    return cwd
+
+
+def door_refusal(door: Path, layout: Layout) -> str | None:
+    """Why `door` cannot be given to a run read-write (None: it can). A door is the disk
+    itself, so it may not be or hold what a run must not change: the bastion home,
+    bastion's installation, the home, a start-up file; nor lie in what is hidden."""
+    real = Path(os.path.realpath(door))
+    home = Path(os.path.realpath(layout.home))
+    if real == Path("/") or home.is_relative_to(real):
+        return f"{door} holds your home directory"
+    keep = [Path(os.path.realpath(layout.bastion_home))]
+    keep += [Path(os.path.realpath(p)) for p in layout.read_only]
+    keep += [home / p for p in PERSISTENT]
+    for p in keep:
+        if p.is_relative_to(real) or real.is_relative_to(p):
+            what = "bastion's installation" if p in layout.read_only else "what you run later"
+            if p == keep[0]:
+                what = "the bastion home"
+            return f"{door} {'holds' if p.is_relative_to(real) else 'is in'} {p} ({what})"
+    for p, why in hidden_paths(layout):
+        hp = Path(os.path.realpath(p))
+        if real.is_relative_to(hp):
+            return f"{door} is in {p}, which a run must not read ({why})"
+    return None
+
+
+def _git_code(door: Path) -> list[str]:
+    """bwrap's binds that keep what git runs code from read-only in a door: its
+    repository's config, hooks, info, modules and worktrees (created empty where
+    missing, so that a run cannot create them), or a `.git` file's pointer."""
+    dot = door / ".git"
+    if dot.is_file() and not dot.is_symlink():
+        return ["--ro-bind", str(dot), str(dot)]
+    if not dot.is_dir() or dot.is_symlink():
+        return []
+    out: list[str] = []
+    for name in GIT_CODE:
+        p = dot / name
+        if name in ("hooks", "info") and not p.exists():
+            with contextlib.suppress(OSError):
+                p.mkdir()
+        if p.exists() and not p.is_symlink():
+            out += ["--ro-bind", str(p), str(p)]
+    return out
+
+
+def doors(layout: Layout, given: Given) -> list[Path]:
+    """Where the run's writes reach the disk: the project, then each `--rw`."""
+    return [*([layout.project] if layout.project is not None else []), *given.rw]
+
+
+def the_layer(layout: Layout, given: Given, *, root: bool) -> layer_mod.Layer:
+    """What the child mounts before bwrap (`layer.Layer`): the home overlay (none for a
+    private home or an isolated agent), the real paths inside the home bound back over it
+    (the doors, the agent socket's directory), the network namespace."""
+    own_net = not given.share_net
+    if given.private_home or not layout.overlay:
+        return layer_mod.Layer(None, own_net=own_net, root=root)
+    home = Path(os.path.realpath(layout.home))
+    real = [d for d in doors(layout, given) if Path(os.path.realpath(d)).is_relative_to(home)]
+    agent_dir = Path(os.path.realpath(layout.agent_dir))
+    if agent_dir.is_relative_to(home):
+        real.append(agent_dir)
+    real += [p for p in given.ro if Path(os.path.realpath(p)).is_relative_to(home)]
+    return layer_mod.Layer(
+        home,
+        tuple(Path(os.path.realpath(p)) for p in real),
+        kept=layout.kept,
+        own_net=own_net,
+        root=root,
+    )
+
+
 def plan(
     layout: Layout,
     given: Given = Given(),
@@ -258,37 +469,53 @@ def plan(
     make_dir: bool = False,
     root: bool = False,
     agent_auth: tuple[Path, Path] | None = None,
+    resolver: int | None = None,
+    ids: tuple[int, int] | None = None,
 ) -> list[str]:
-    """bwrap's arguments up to (and including) the `--` before CMD. `make_dir`: create
-    `chdir` inside the sandbox (a private HOME under the run's own /tmp); `root`: bwrap
-    runs as root; `agent_auth`: the run's throwaway ssh agent's directory, and where the
-    run sees it (`run_agent.py`), bound read-only like the agent socket's."""
+    """bwrap's arguments up to (and including) the `--` before CMD, on the view the
+    layer made (`the_layer`). `make_dir`: create `chdir` inside the sandbox (a private
+    HOME under the run's own /tmp); `root`: bwrap runs as root; `agent_auth`: the run's
+    throwaway ssh agent's directory, and where the run sees it (`run_agent.py`), bound
+    read-only like the agent socket's; `resolver`: a descriptor holding the run's
+    resolv.conf (`layer.loopback_resolver`); `ids`: the (uid, gid) the run has (default:
+    this process's)."""
     argv = [*namespaces(root), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if not root:
+        # The layer's namespace makes the user its root; the run's is the user again.
+        uid, gid = ids if ids is not None else (os.geteuid(), os.getegid())
+        argv += ["--uid", str(uid), "--gid", str(gid)]
     if root:
         # ssh as root sets root's own groups to run KnownHostsCommand, and a user
         # namespace denies setgroups: root's run has no user namespace and keeps
         # CAP_SETGID alone (no CAP_SETUID: it cannot become another user; no
         # CAP_SYS_ADMIN: no mount of the sandbox can be undone).
         argv += ["--cap-add", "CAP_SETGID"]
-    argv += ["--bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    for p in [*(ROOT_READ_ONLY if root else ()), *layout.read_only]:
-        if os.path.isdir(p) or os.path.isfile(p):
-            argv += ["--ro-bind", str(p), str(p)]
-    hidden: list[Path] = [layout.bastion_home]
-    if layout.runtime_dir is not None:
-        hidden.append(layout.runtime_dir)
-    hidden += [layout.home / ".gnupg", *layout.extra_hidden]
-    hidden += [Path(p) for p in SYSTEM_DEPUTIES]
-    for p in hidden:
-        if _exists(p):
-            argv += _hide(p)
-    argv += _ssh_dir(layout.home)
+    # The system read-only; the home (the layer's overlay, with the doors inside it bound
+    # back real) writable; /tmp the run's own.
+    argv += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     if given.private_home:
         argv += ["--tmpfs", str(layout.home)]
-        if layout.cwd != layout.home and layout.cwd.is_relative_to(layout.home):
-            argv += ["--bind", str(layout.cwd), str(layout.cwd)]  # the project it works on
+    elif layout.overlay:
+        argv += ["--bind", str(layout.home), str(layout.home)]
+    for door in doors(layout, given):
+        argv += ["--bind", str(door), str(door)]
+        if not given.rw_git:
+            argv += _git_code(door)
+    for p in layout.read_only:
+        if os.path.isdir(p) or os.path.isfile(p):
+            argv += ["--ro-bind", str(p), str(p)]
+    exposed = [Path(os.path.realpath(p)) for p in given.expose]
+    for p, _why in hidden_paths(layout):
+        real = Path(os.path.realpath(p))
+        if not _exists(p) or any(real.is_relative_to(e) for e in exposed):
+            continue
+        argv += _ssh_dir(layout.home) if p == layout.home / ".ssh" else _hide(p)
     for p in given.hide:
         argv += _hide(p)
+    for p in given.expose:  # a path inside a hidden one comes back, read-only
+        argv += ["--ro-bind", str(p), str(p)]
+    if resolver is not None:
+        argv += ["--ro-bind-data", str(resolver), os.path.realpath("/etc/resolv.conf")]
     # The one door to bastion, bound after everything that hides: its directory (not the
     # socket), so a restarted gateway's new socket is seen inside; read-only, so no run can
     # replace it for the others.
@@ -323,13 +550,25 @@ def environment(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in DROPPED_ENV}
 
 
-def check_given(given: Given) -> None:
-    """Refuse paths that do not exist (a typo must not widen or narrow nothing)."""
-    for p in (*given.hide, *given.ro):
+def check_given(given: Given, layout: Layout | None = None) -> None:
+    """Refuse paths that do not exist (a typo must widen or narrow nothing), a `--rw`
+    that would give a run what it must not change, an `--expose` of what is not hidden."""
+    for p in (*given.hide, *given.ro, *given.rw, *given.expose):
         if not p.is_absolute():
             raise ValueError(f"{p}: give an absolute path")
         if not _exists(p):
             raise ValueError(f"{p} does not exist")
+    if layout is None:
+        return
+    for p in given.rw:
+        why = door_refusal(p, layout)
+        if why is not None:
+            raise ValueError(f"--rw {p}: {why}; give a directory of the project instead")
+    rows = [Path(os.path.realpath(h)) for h, _ in hidden_paths(layout)]
+    for p in given.expose:
+        real = Path(os.path.realpath(p))
+        if not any(real.is_relative_to(h) or h.is_relative_to(real) for h in rows):
+            raise ValueError(f"--expose {p}: nothing there is hidden from a run")
 
 
 # -- can it be made here? --------------------------------------------------------------------
@@ -450,17 +689,42 @@ def enter_scopes(abi: int) -> None:
 
 @dataclass(frozen=True)
 class Sandbox:
-    """A sandbox ready to start CMD in: bwrap's argv, its environment, the Landlock ABI."""
+    """A sandbox ready to start CMD in: bwrap's argv, its environment, the Landlock ABI,
+    the layer its child mounts first, and the run's network (`slirp`: None when the run
+    shares the host's). `pass_fds` go to bwrap: the run's resolv.conf, and the read end
+    of `hold`, on which bwrap waits before CMD until `started` has the network ready."""
 
     argv: tuple[str, ...]
     env: dict[str, str]
     landlock: int
+    layer: layer_mod.Layer = field(default_factory=lambda: layer_mod.Layer(None, own_net=False))
+    slirp: str | None = None
+    pass_fds: tuple[int, ...] = ()
+    hold: int | None = None
 
     def command(self, cmd: Sequence[str]) -> list[str]:
         return [*self.argv, *cmd]
 
     def preexec(self) -> None:
+        self.layer.enter()
         enter_scopes(self.landlock)
+
+    def started(self, pid: int) -> layer_mod.Network | None:
+        """bwrap (`pid`) has started: give its namespace a network, then let CMD go.
+        Raises LayerError (the caller ends the run: CMD has not started)."""
+        net = None
+        if self.slirp is not None:
+            net = layer_mod.Network(self.slirp, pid, root=os.geteuid() == 0)
+        if self.hold is not None:
+            os.write(self.hold, b"1")
+        self.close()
+        return net
+
+    def close(self) -> None:
+        """The descriptors this object holds, once bwrap has them (or never will)."""
+        for fd in (*self.pass_fds, *(() if self.hold is None else (self.hold,))):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def prepare(
@@ -478,19 +742,58 @@ def prepare(
     `bwrap_path`: the PATH to find bwrap on (default: this process's); `agent_auth`:
     the run's throwaway ssh agent (its directory, its path inside), offered to the run
     as SSH_AUTH_SOCK."""
-    check_given(given)
+    check_given(given, layout)
     check_door(layout)
     bwrap = find_bwrap(bwrap_path)
     preflight(bwrap, user)
     root = (user[0] if user else os.geteuid()) == 0
-    argv = (
-        bwrap,
-        *plan(layout, given, chdir=chdir, make_dir=make_dir, root=root, agent_auth=agent_auth),
+    slirp = None
+    if not given.share_net:
+        slirp = layer_mod.find_slirp()
+        if slirp is None:
+            raise Unavailable(
+                "slirp4netns is not installed (a run's network is its own: the host's "
+                "loopback services stay out of reach)",
+                "install it (Debian/Ubuntu: sudo apt install slirp4netns), or give the run "
+                "the host's network with `bastion run --share-net`",
+            )
+    layer = the_layer(layout, given, root=root)
+    why = layer_mod.probe(layer, user)
+    if why is not None:
+        raise Unavailable(
+            f"the run's own home and network could not be made ({why})",
+            "this needs Linux 5.11 or later, with unprivileged user namespaces and "
+            "overlayfs in them; a home that cannot be overlaid runs with --private-home "
+            "(an empty home of the run's own), a network namespace refused with --share-net",
+        )
+    fds: list[int] = []
+    resolver = layer_mod.loopback_resolver() if slirp is not None else None
+    if resolver is not None:
+        r, w = os.pipe()
+        os.write(w, resolver)
+        os.close(w)
+        fds.append(r)
+    hold = None
+    extra: list[str] = []
+    if slirp is not None:
+        hold_r, hold = os.pipe()
+        fds.append(hold_r)
+        extra = ["--block-fd", str(hold_r)]
+    planned = plan(
+        layout,
+        given,
+        chdir=chdir,
+        make_dir=make_dir,
+        root=root,
+        agent_auth=agent_auth,
+        resolver=fds[0] if resolver is not None else None,
+        ids=user,
     )
+    argv = (bwrap, *planned[:-1], *extra, "--")
     run_env = environment(env)
     if agent_auth is not None:
         run_env["SSH_AUTH_SOCK"] = str(agent_auth[1] / "agent.sock")
-    return Sandbox(argv, run_env, landlock_abi())
+    return Sandbox(argv, run_env, landlock_abi(), layer, slirp, tuple(fds), hold)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import bastion
 from bastion.sandbox import Given, Layout
 from bastion.sandbox import per_run as sandbox
 
@@ -37,7 +36,8 @@ def layout(tmp_path: Path) -> Layout:
     (bh / "operator").mkdir()
     runtime = tmp_path / "xdg"
     runtime.mkdir()
-    return Layout(bh, bh / "run", home, runtime, home / "project")
+    project = home / "project"
+    return Layout(bh, bh / "run", home, runtime, project, project=project)
 
 
 def test_the_defaults_hide_the_deputies_and_keep_the_one_door(layout: Layout) -> None:
@@ -95,7 +95,7 @@ def test_what_a_run_is_given_comes_after_the_defaults_and_is_worded(
 def test_a_private_home_keeps_the_project_it_works_on(layout: Layout) -> None:
     argv = sandbox.plan(layout, Given(private_home=True))
     assert str(layout.home) in _pairs(argv, "--tmpfs")
-    assert (str(layout.cwd), str(layout.cwd)) in _binds(argv, "--bind")
+    assert _binds(argv, "--bind") == [(str(layout.cwd), str(layout.cwd))]
     assert Given(private_home=True).words() == ["--private-home"]
 
 
@@ -103,24 +103,94 @@ def test_root_keeps_only_what_ssh_needs_and_no_user_namespace(layout: Layout) ->
     argv = sandbox.plan(layout, root=True)
     assert "--unshare-user" not in argv and "--unshare-pid" in argv
     assert _pairs(argv, "--cap-add") == ["CAP_SETGID"]  # never CAP_SETUID: no other user
-    assert ("/etc", "/etc") in _binds(argv, "--ro-bind")
-    assert ("/etc", "/etc") not in _binds(sandbox.plan(layout), "--ro-bind")
+    assert "--uid" not in argv
 
 
-def test_what_the_operator_runs_later_is_read_only(tmp_path: Path, layout: Layout) -> None:
-    """Shell start-up files, autostart and bastion's own installation: bound read-only
-    before anything is hidden (so what hides inside them still hides)."""
-    (layout.home / ".bashrc").write_text("")
-    env = {"HOME": str(layout.home), "TMUX": "/srv/op.sock,123,0"}
-    real = sandbox.layout_of(layout.bastion_home, layout.agent_dir / "agent.sock", env)
-    assert layout.home / ".bashrc" in real.read_only
-    package = Path(bastion.__file__).resolve().parent  # bastion's package, or its checkout
-    assert package in real.read_only or package.parent in real.read_only
-    assert Path("/srv/op.sock") in real.extra_hidden  # the socket $TMUX names
-    argv = sandbox.plan(real)
-    bashrc = str(layout.home / ".bashrc")
-    assert (bashrc, bashrc) in _binds(argv, "--ro-bind")
-    assert argv.index(bashrc) < argv.index(str(layout.bastion_home))
+def test_the_system_is_read_only_and_the_home_is_the_layers_overlay(layout: Layout) -> None:
+    """`--ro-bind / /` first, for every user; then the home (the overlay the layer
+    mounted) and the project, writable; the user is mapped back from the layer's root."""
+    import os
+
+    argv = sandbox.plan(layout)
+    assert _binds(argv, "--ro-bind")[0] == ("/", "/")
+    binds = _binds(argv, "--bind")
+    assert binds[:2] == [(str(layout.home),) * 2, (str(layout.project),) * 2]
+    assert _pairs(argv, "--uid") == [str(os.geteuid())]
+    layer = sandbox.the_layer(layout, Given(), root=False)
+    assert layer.home == layout.home.resolve() and layer.own_net
+    assert layout.project.resolve() in layer.real and layout.agent_dir.resolve() not in layer.real
+    assert sandbox.the_layer(layout, Given(private_home=True), root=False).home is None
+    assert not sandbox.the_layer(layout, Given(share_net=True), root=False).own_net
+
+
+def test_what_git_runs_code_from_stays_read_only_in_the_project(layout: Layout) -> None:
+    git = layout.project / ".git"
+    git.mkdir()
+    (git / "config").write_text("[core]\n")
+    argv = sandbox.plan(layout)
+    ro = {dest for _, dest in _binds(argv, "--ro-bind")}
+    assert {str(git / "config"), str(git / "hooks"), str(git / "info")} <= ro
+    assert (git / "hooks").is_dir()  # made empty, so that the run cannot make it
+    argv = sandbox.plan(layout, Given(rw_git=True))
+    assert str(git / "config") not in {dest for _, dest in _binds(argv, "--ro-bind")}
+    assert Given(rw_git=True).words() == ["--rw-git"]
+
+
+def test_a_door_may_not_hold_what_a_run_must_not_change(layout: Layout) -> None:
+    """The disk itself is what a door gives: never the home, the bastion home or a
+    directory above it, bastion's installation, a start-up file, or a hidden path."""
+    import dataclasses
+
+    assert sandbox.door_refusal(layout.project, layout) is None
+    (layout.home / ".config" / "chromium").mkdir(parents=True)
+    (layout.home / ".aws" / "sso").mkdir(parents=True)
+    refused = {
+        layout.home: "holds your home directory",
+        layout.home.parent: "holds your home directory",
+        layout.home / ".config": "what you run later",
+        layout.home / ".config" / "chromium" / "Default": "what you run later",
+        layout.home / ".aws" / "sso": "must not read",
+    }
+    for door, words in refused.items():
+        why = sandbox.door_refusal(door, layout)
+        assert why is not None and words in why, (door, why)
+    inside = dataclasses.replace(layout, bastion_home=layout.home / "data" / "bastion")
+    (layout.home / "data" / "bastion").mkdir(parents=True)
+    assert "the bastion home" in (sandbox.door_refusal(layout.home / "data", inside) or "")
+    venv = layout.project / ".venv"
+    venv.mkdir()
+    with_venv = dataclasses.replace(layout, read_only=(venv,))
+    assert "bastion's installation" in (sandbox.door_refusal(layout.project, with_venv) or "")
+    with pytest.raises(ValueError, match="--rw"):
+        sandbox.check_given(Given(rw=(layout.home / ".config",)), layout)
+
+
+def test_the_project_is_the_git_work_tree_the_run_starts_in(tmp_path: Path) -> None:
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    (tmp_path / "repo" / "src" / "deep").mkdir(parents=True)
+    assert sandbox.project_of(tmp_path / "repo" / "src" / "deep") == tmp_path / "repo"
+    assert sandbox.project_of(tmp_path) == tmp_path
+
+
+def test_what_a_run_must_not_read_is_one_table_with_a_reason_a_row(layout: Layout) -> None:
+    profile = layout.home / ".config" / "chromium"
+    profile.mkdir(parents=True)
+    (layout.home / ".aws").mkdir()
+    (layout.home / ".netrc").write_text("machine x login y password z\n")
+    argv = sandbox.plan(layout)
+    tmpfs = _pairs(argv, "--tmpfs")
+    assert str(profile) in tmpfs and str(layout.home / ".aws") in tmpfs
+    assert ("/dev/null", str(layout.home / ".netrc")) in _binds(argv, "--ro-bind")
+    assert all(row.why for row in sandbox.HIDDEN)
+    assert len({row.where for row in sandbox.HIDDEN}) == len(sandbox.HIDDEN)
+    # --expose gives one back, read-only, and is named; a path nothing hides is refused.
+    given = Given(expose=(layout.home / ".aws",))
+    argv = sandbox.plan(layout, given)
+    assert str(layout.home / ".aws") not in _pairs(argv, "--tmpfs")
+    assert given.words() == [f"--expose {layout.home / '.aws'}"]
+    sandbox.check_given(given, layout)
+    with pytest.raises(ValueError, match="nothing there is hidden"):
+        sandbox.check_given(Given(expose=(layout.project,)), layout)
 
 
 def test_the_environment_loses_what_names_a_deputy() -> None:
@@ -179,7 +249,7 @@ def test_a_run_given_more_than_its_card_can_show_is_refused_before_anything(
     deep.mkdir()
     argv = ["--home", str(tmp_path / "home"), "run", "--ro", str(deep), "--", "true"]
     r = CliRunner().invoke(main, argv)
-    assert r.exit_code == 1 and "at most 194 characters" in r.output
+    assert r.exit_code == 1 and "at most 190 characters" in r.output
 
 
 def test_the_door_must_not_bind_the_home_into_the_run(layout: Layout, tmp_path: Path) -> None:
