@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bastion.core.subject import Peer
-from bastion.identity import children
+from bastion.identity import children, netns
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -55,6 +55,7 @@ _MSG = struct.Struct("=BBBBIII")  # unix_diag_msg
 _ATTR = struct.Struct("=HH")
 _STREAMS = {socket.SOCK_STREAM, socket.SOCK_SEQPACKET}
 _MAX_TREE = 512  # processes of one run walked at most; beyond, not seen
+_DIAG = (socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
 _MAX_FDS = 32768  # descriptors of those read at most; beyond, not seen (the walk is bounded)
 
 
@@ -82,15 +83,18 @@ class Sockets:
     the master's few sockets, never every socket on the machine (a run could make
     a hundred thousand)."""
 
-    def __init__(self) -> None:
-        self._nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    def __init__(self, nl: socket.socket | None = None) -> None:
+        """`nl`: a sock_diag socket of another network namespace's (not closed here)."""
+        self._own = nl is None
+        self._nl = nl or socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
         self._seen: dict[int, UnixSocket | None] = {}
 
     def __enter__(self) -> Sockets:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._nl.close()
+        if self._own:
+            self._nl.close()
 
     def get(self, inode: int) -> UnixSocket | None:
         """The socket with this inode, or None when there is none (it was closed)."""
@@ -207,22 +211,35 @@ def _mux_clients(table: Sockets, run_pid: int, own_socket: int, proxy_pid: int) 
         if why_unseen:
             return MuxView(None, why_unseen)
         return MuxView(False, "the ssh client holding this connection is not a process of the run")
-    for master in sorted(masters):
-        name = _exe_name(master)
-        if name != "ssh":
-            return MuxView(
-                False,
-                f"this connection is held by {name or 'an unreadable program'} (pid {master}), "
-                "not by the ssh client itself (bastion's ssh config hands it to ssh: "
-                "ProxyUseFdpass yes)",
-            )
-        problem = _outsider(master, ours.peer, table, holders)
-        if problem is not None:
-            return (
-                MuxView(None, f"{problem}; {why_unseen}") if why_unseen else MuxView(False, problem)
-            )
-    n = sum(len(_clients(m, ours.peer, table, holders)) for m in masters)
+    with contextlib.ExitStack() as stack:
+        tables = {m: _table_of(m, table, stack) for m in sorted(masters)}
+        for master, mine in tables.items():
+            name = _exe_name(master)
+            if name != "ssh":
+                return MuxView(
+                    False,
+                    f"this connection is held by {name or 'an unreadable program'} "
+                    f"(pid {master}), not by the ssh client itself (bastion's ssh config "
+                    "hands it to ssh: ProxyUseFdpass yes)",
+                )
+            problem = _outsider(master, ours.peer, mine, holders)
+            if problem is not None:
+                return (
+                    MuxView(None, f"{problem}; {why_unseen}")
+                    if why_unseen
+                    else MuxView(False, problem)
+                )
+        n = sum(len(_clients(m, ours.peer, t, holders)) for m, t in tables.items())
     return MuxView(True, f"{n} connected to its master (pid {min(masters)}), all of the run")
+
+
+def _table_of(master: int, table: Sockets, stack: contextlib.ExitStack) -> Sockets:
+    """The sockets of `master`'s network namespace: the gateway's own `table`, or, for a
+    run with a network namespace of its own, a table asked in that namespace."""
+    if netns.own_namespace(master):
+        return table
+    nl = stack.enter_context(netns.socket_in(master, *_DIAG))
+    return stack.enter_context(Sockets(nl))
 
 
 def _clients(

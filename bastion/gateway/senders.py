@@ -63,7 +63,8 @@ def _listens(pid: int, holds_our_connection: bool = False) -> bool | None:
     unix = serves_control_socket(pid, holds_our_connection)
     if unix is not False:
         return unix
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    # The process's own network namespace's tables (a run's may be its own).
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as rows:
             next(rows)  # sl local_address rem_address st ... inode
             for row in rows:

@@ -406,7 +406,11 @@ def serves_control_socket(pid: int, holds_our_connection: bool = False) -> bool 
         return None
     if len(inodes) <= (1 if holds_our_connection else 0):
         return False
-    with open("/proc/net/unix") as table:
+    try:  # the table of the process's own network namespace (a run's may be its own)
+        table = open(f"/proc/{pid}/net/unix")  # noqa: SIM115 - closed below
+    except OSError:
+        return None
+    with table:
         next(table)  # Num RefCount Protocol Flags Type St Inode Path
         for line in table:
             fields = line.split()
