@@ -12,9 +12,60 @@ from collections.abc import Mapping
 from typing import Any
 
 LIMIT = (
-    "a run shares the files it was given (your user's, less what is hidden or read-only) "
-    "with whatever else you run there: another run in the same project, a script of the "
-    "project you run later"
+    "a run shares what it was given (the project, each `--rw`) with whatever else you run "
+    "there: another run in the same project, a script or a dependency of the project you "
+    "run later, a nested repository's git config"
+)
+
+# What a default run can read, write and reach, one row per place (docs/sandbox.md shows
+# it, `bastion status` prints it; tests/integration/test_run_writes.py tries each row).
+ACCESS_COLUMNS = ("place", "a default run", "given with")
+ACCESS: tuple[tuple[str, str, str], ...] = (
+    (
+        "the system (`/usr`, `/etc`, `/var`, `/opt`, ...)",
+        "reads; writes nothing (read-only, for root too)",
+        "`--rw PATH`",
+    ),
+    (
+        "your home",
+        "reads it but what is hidden; writes into an overlay of its own, gone at exit "
+        "(a rename, a replace or a new file never reaches the disk)",
+        "`--keep-home` (kept per `--label`), `--private-home` (an empty one)",
+    ),
+    (
+        "the project: the working directory's git work tree (or the directory)",
+        "reads and writes, on the disk: the one door",
+        "start the run there; `--rw PATH` for one more",
+    ),
+    (
+        "the project's `.git/config`, `hooks`, `info`, `modules`, `worktrees`",
+        "reads; writes nothing (git runs code from them)",
+        "`--rw-git`",
+    ),
+    ("`/tmp`", "its own, gone at exit", ""),
+    (
+        "the bastion home",
+        "hidden, but the agent socket's directory, read-only",
+        "",
+    ),
+    (
+        "browser profiles, password stores and keyrings, ssh private keys, `~/.gnupg`, "
+        "cloud, container, kubernetes, git and registry credentials",
+        "hidden",
+        "`--expose PATH` (read-only)",
+    ),
+    (
+        "your session's and the machine's deputies (`$XDG_RUNTIME_DIR`, ssh-agent, tmux, "
+        "screen, the buses, cron, at, docker)",
+        "hidden",
+        "",
+    ),
+    (
+        "the network",
+        "its own: outbound works; the host's loopback (the console, OpenBao, a database, a "
+        "dev server) cannot be reached",
+        "`--share-net`",
+    ),
 )
 
 THREAT_COLUMNS = (
@@ -92,21 +143,33 @@ THREATS: tuple[tuple[str, str, str, str], ...] = (
         "",
     ),
     (
-        "plant what you run next (`~/.bashrc`, a systemd user unit, bastion itself)",
-        "cannot: read-only in a run",
+        "plant what you run next (`~/.bashrc`, `~/.local/bin`, `~/.ssh/authorized_keys`, "
+        "a systemd user unit, the project's git hooks, bastion itself), existing or not",
+        "cannot: the home is an overlay, the system and git's files read-only",
         "can",
         "",
     ),
     (
-        "read and change your files (the project, `~`)",
-        "can: everything your user can that is not hidden or read-only "
-        "(`--ro`, `--hide`, `--private-home` narrow it)",
+        "rename the bastion home's parents, or replace its files",
+        "cannot: the writes stay in the run's overlay",
+        "can",
+        "cannot, by file modes",
+    ),
+    (
+        "read and change your files",
+        "reads what is not hidden; changes only the project and each `--rw`",
         "can",
         "only what the agent user may",
     ),
     (
+        "reach your loopback services (the console, OpenBao, a database, a dev server)",
+        "cannot: its network is its own (`--share-net` opts out)",
+        "can",
+        "",
+    ),
+    (
         "reach the network",
-        "can, as you",
+        "can, outbound, through its own network stack",
         "can",
         "can, as the agent user",
     ),
@@ -119,9 +182,21 @@ def threat_table() -> list[str]:
     return lines + [("| " + " | ".join(row) + " |").replace("|  |", "| |") for row in THREATS]
 
 
+def access_table() -> list[str]:
+    """ACCESS as the Markdown table docs/sandbox.md carries (tests/unit/test_docs.py checks)."""
+    lines = ["| " + " | ".join(ACCESS_COLUMNS) + " |", "|---|---|---|"]
+    return lines + [("| " + " | ".join(row) + " |").replace("|  |", "| |") for row in ACCESS]
+
+
 def threat_model() -> dict[str, Any]:
-    """THREATS for `bastion status --json`: the columns, the rows, the remaining limit."""
-    return {"columns": list(THREAT_COLUMNS), "rows": [list(r) for r in THREATS], "limit": LIMIT}
+    """THREATS for `bastion status --json`: the columns, the rows, the remaining limit, and
+    what a default run can read, write and reach (ACCESS)."""
+    return {
+        "columns": list(THREAT_COLUMNS),
+        "rows": [list(r) for r in THREATS],
+        "limit": LIMIT,
+        "access": {"columns": list(ACCESS_COLUMNS), "rows": [list(r) for r in ACCESS]},
+    }
 
 
 def threat_lines(model: Mapping[str, Any]) -> list[str]:
@@ -132,4 +207,9 @@ def threat_lines(model: Mapping[str, Any]) -> list[str]:
         lines.append(line + (f"; strong mode adds: {strong}" if strong else ""))
     if model.get("limit"):
         lines.append(f"  limit: {model['limit']}")
+    access = model.get("access") or {}
+    if access.get("rows"):
+        lines.append("what a default run can read, write and reach:")
+        for place, default, given in access["rows"]:
+            lines.append(f"  {place}: {default}" + (f" (more: {given})" if given else ""))
     return lines

@@ -146,6 +146,17 @@ def test_the_docs_carry_the_threat_model_status_prints() -> None:
     assert lines[start : start + len(table)] == table
 
 
+def test_the_docs_carry_what_a_run_can_read_write_and_reach() -> None:
+    """One table, two places: `bastion status` prints `threat_model.ACCESS`, and
+    docs/sandbox.md shows the same rows, word for word."""
+    from bastion.sandbox.threat_model import access_table
+
+    lines = (ROOT / "docs" / "sandbox.md").read_text().splitlines()
+    table = access_table()
+    start = lines.index(table[0])
+    assert lines[start : start + len(table)] == table
+
+
 def test_the_readme_is_short_and_links_every_page() -> None:
     """The README is what a newcomer reads first: what bastion is, the quick start,
     a first setup and the status; each task has its page under docs/, linked."""
