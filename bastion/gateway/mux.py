@@ -83,31 +83,39 @@ class Sockets:
     the master's few sockets, never every socket on the machine (a run could make
     a hundred thousand)."""
 
-    def __init__(self, nl: socket.socket | None = None) -> None:
-        """`nl`: a sock_diag socket of another network namespace's (not closed here)."""
-        self._own = nl is None
-        self._nl = nl or socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    def __init__(self, others: tuple[socket.socket, ...] = ()) -> None:
+        """`others`: sock_diag sockets of the run's own network namespaces (kept by
+        `netns`, not closed here): a unix socket lives in the namespace of the process
+        that connected, so each is asked after the gateway's own."""
+        self._nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+        self._others = others
         self._seen: dict[int, UnixSocket | None] = {}
 
     def __enter__(self) -> Sockets:
         return self
 
     def __exit__(self, *_: object) -> None:
-        if self._own:
-            self._nl.close()
+        self._nl.close()
 
     def get(self, inode: int) -> UnixSocket | None:
-        """The socket with this inode, or None when there is none (it was closed)."""
+        """The socket with this inode, or None when there is none (it was closed, or it
+        lives in a network namespace this observation does not ask)."""
         if inode not in self._seen:
-            self._seen[inode] = self._ask(inode)
+            found = None
+            for nl in (self._nl, *self._others):
+                found = self._ask(nl, inode)
+                if found is not None:
+                    break
+            self._seen[inode] = found
         return self._seen[inode]
 
-    def _ask(self, inode: int) -> UnixSocket | None:
+    @staticmethod
+    def _ask(nl: socket.socket, inode: int) -> UnixSocket | None:
         cookie = 0xFFFFFFFF  # INET_DIAG_NOCOOKIE: any socket with this inode
         req = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, inode, UDIAG_SHOW_PEER, cookie, cookie)
         head = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
-        self._nl.sendall(head + req)
-        data = self._nl.recv(1 << 16)
+        nl.sendall(head + req)
+        data = nl.recv(1 << 16)
         if len(data) < _NLMSG.size:
             raise OSError("sock_diag: a short answer")
         length, kind, _, _, _ = _NLMSG.unpack_from(data, 0)
@@ -176,10 +184,27 @@ def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
     connection; `proxy_pid`: the process that connected (`bastion proxy`, which may
     still hold the socket it handed to ssh for a moment)."""
     try:
-        with Sockets() as table:
+        with contextlib.ExitStack() as stack:
+            others = tuple(
+                stack.enter_context(netns.socket_in(pid, *_DIAG))
+                for pid in _other_namespaces(run_tree(run_pid))
+            )
+            table = stack.enter_context(Sockets(others))
             return _mux_clients(table, run_pid, own_socket, proxy_pid)
     except OSError as exc:
         return MuxView(None, f"the kernel's unix sockets could not be read: {exc}")
+
+
+def _other_namespaces(tree: list[int]) -> list[int]:
+    """One process of each network namespace of the run's tree but the gateway's own
+    (a sandboxed run has one of its own: `sandbox/layer.py`)."""
+    seen: dict[int, int] = {}
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            ns = netns.net_inode(pid)
+            if not netns.own_namespace(pid):
+                seen.setdefault(ns, pid)
+    return list(seen.values())
 
 
 def _mux_clients(table: Sockets, run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
@@ -211,44 +236,46 @@ def _mux_clients(table: Sockets, run_pid: int, own_socket: int, proxy_pid: int) 
         if why_unseen:
             return MuxView(None, why_unseen)
         return MuxView(False, "the ssh client holding this connection is not a process of the run")
-    with contextlib.ExitStack() as stack:
-        tables = {m: _table_of(m, table, stack) for m in sorted(masters)}
-        for master, mine in tables.items():
-            name = _exe_name(master)
-            if name != "ssh":
-                return MuxView(
-                    False,
-                    f"this connection is held by {name or 'an unreadable program'} "
-                    f"(pid {master}), not by the ssh client itself (bastion's ssh config "
-                    "hands it to ssh: ProxyUseFdpass yes)",
-                )
-            problem = _outsider(master, ours.peer, mine, holders)
-            if problem is not None:
-                return (
-                    MuxView(None, f"{problem}; {why_unseen}")
-                    if why_unseen
-                    else MuxView(False, problem)
-                )
-        n = sum(len(_clients(m, ours.peer, t, holders)) for m, t in tables.items())
+    for master in sorted(masters):
+        name = _exe_name(master)
+        if name != "ssh":
+            return MuxView(
+                False,
+                f"this connection is held by {name or 'an unreadable program'} (pid {master}), "
+                "not by the ssh client itself (bastion's ssh config hands it to ssh: "
+                "ProxyUseFdpass yes)",
+            )
+        problem = _outsider(master, ours.peer, table, holders)
+        if problem is not None:
+            return (
+                MuxView(None, f"{problem}; {why_unseen}") if why_unseen else MuxView(False, problem)
+            )
+    n = sum(len(_clients(m, ours.peer, table, holders)) for m in masters)
     return MuxView(True, f"{n} connected to its master (pid {min(masters)}), all of the run")
-
-
-def _table_of(master: int, table: Sockets, stack: contextlib.ExitStack) -> Sockets:
-    """The sockets of `master`'s network namespace: the gateway's own `table`, or, for a
-    run with a network namespace of its own, a table asked in that namespace."""
-    if netns.own_namespace(master):
-        return table
-    nl = stack.enter_context(netns.socket_in(master, *_DIAG))
-    return stack.enter_context(Sockets(nl))
 
 
 def _clients(
     master: int, connection: int, table: Sockets, holders: dict[int, set[int]]
 ) -> list[UnixSocket]:
-    """The master's connected unix stream sockets but the connection itself."""
+    """The master's connected unix stream sockets but the connection itself. A socket
+    the master holds that no table knows (closed meanwhile, or in a network namespace
+    that is neither the gateway's nor the run's: another run's) stands as one whose
+    peer is unknown, so `_outsider` refuses it."""
     mine = sorted(i for i, pids in holders.items() if master in pids and i != connection)
-    found = [table.get(i) for i in mine]
-    return [u for u in found if u is not None and u.kind in _STREAMS and u.state != TCP_LISTEN]
+    found = {i: table.get(i) for i in mine}
+    if None in found.values():
+        try:
+            still = socket_inodes(master)
+        except OSError:
+            still = set(mine)
+        found = {
+            i: u or UnixSocket(i, socket.SOCK_STREAM, 0, 0)
+            for i, u in found.items()
+            if u is not None or i in still
+        }
+    return [
+        u for u in found.values() if u is not None and u.kind in _STREAMS and u.state != TCP_LISTEN
+    ]
 
 
 def _outsider(

@@ -27,8 +27,9 @@ import pytest
 from tests.harness import Agent, Bastion, Result, master_pid, policy_toml, wait_for
 
 # Control sockets live where every process sees them (a run's /tmp is its own), on a
-# short path: a unix socket path has at most 107 bytes.
-SHORT = "/var/tmp/bt"
+# short path (a unix socket path has at most 107 bytes), given to each sandboxed run
+# with --rw (a run writes only where it was given).
+SHORT = "/var/tmp/bt/mx"
 pytestmark = pytest.mark.skipif(not Path("/usr/bin/ssh").exists(), reason="no /usr/bin/ssh")
 
 
@@ -39,7 +40,9 @@ def run_agent(b: Bastion, label: str, flags: tuple[str, ...] = ()) -> Agent:
     """A long-lived agent started by `bastion run` (its pid is the run's): in a sandbox
     of its own by default (`flags` may say --no-sandbox)."""
     cli = (sys.executable, "-m", "bastion.cli", "--home", str(b.home.root))
-    agent = Agent(b.config, launcher=(*cli, "run", *flags, "--label", label, "--"))
+    os.makedirs(SHORT, exist_ok=True)
+    given = () if "--no-sandbox" in flags else ("--rw", SHORT)
+    agent = Agent(b.config, launcher=(*cli, "run", *flags, *given, "--label", label, "--"))
     b.agents.append(agent)
     return agent
 
@@ -188,9 +191,10 @@ def test_ansible_ad_hoc_with_default_settings_runs_inside_one_run(
         f"ansible_ssh_common_args='-F {bastion.config}'\n"
     )
     # A short control path directory of the run's own (ansible's default is ~/.ansible/cp).
+    ansible_home = tempfile.mkdtemp(prefix="ah", dir=SHORT)
     env = {
-        "ANSIBLE_HOME": str(tmp_path / "ah"),
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ah" / "tmp"),
+        "ANSIBLE_HOME": ansible_home,
+        "ANSIBLE_LOCAL_TEMP": os.path.join(ansible_home, "tmp"),
         "ANSIBLE_SSH_CONTROL_PATH_DIR": tempfile.mkdtemp(prefix="acp", dir=SHORT),
         "ANSIBLE_HOST_KEY_CHECKING": "False",
         "ANSIBLE_NOCOLOR": "1",
