@@ -113,14 +113,24 @@ class Layer:
         else:
             base = str(self.kept)
         options = f"lowerdir=/proc/self/fd/{lower},upperdir={base}/upper,workdir={base}/work"
-        if not self.root:
-            options += ",userxattr"
+        if not self.root or not _initial_user_namespace():
+            options += ",userxattr"  # trusted.* xattrs are the initial namespace's root's
         check(libc.mount(b"overlay", home, b"overlay", 0, options.encode()), "mount the overlay")
         os.chown(self.home, uid, gid)  # the upper root is made by the mount
         for path, fd in real:
             source = f"/proc/self/fd/{fd}".encode()
             target = os.fsencode(path)
             check(libc.mount(source, target, None, MS_BIND | MS_REC, None), f"bind {path}")
+
+
+def _initial_user_namespace() -> bool:
+    """Whether this process is in the machine's first user namespace (whose map is the
+    whole range), where root may use overlayfs's trusted xattrs."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
 
 
 def _write(path: str, text: str) -> None:

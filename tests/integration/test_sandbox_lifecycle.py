@@ -35,13 +35,21 @@ def _registered_runs(b: Bastion) -> int:
     return sum(1 for line in lines if json.loads(line).get("type") == "run_registered")
 
 
+def given(tmp_path: Path) -> Path:
+    """A directory of the test's that a run is given (`--rw`): a run writes only there."""
+    d = tmp_path / "given"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def _in_throwaway_namespace(
     b: Bastion, marker: Path, turn_off: bool
 ) -> subprocess.CompletedProcess:
     """`bastion run -- touch MARKER` in a user namespace of its own, where the namespace
     limits can be set to 0 without touching the machine's."""
     off = "".join(f"echo 0 > /proc/sys/{n.replace('.', '/')}; " for n in NAMESPACE_SWITCHES)
-    run = " ".join(cli_argv(b.home.root, "run", "--label", "nons", "--", "touch", str(marker)))
+    argv = ("run", "--label", "nons", "--rw", str(marker.parent), "--", "touch", str(marker))
+    run = " ".join(cli_argv(b.home.root, *argv))
     script = (off if turn_off else "") + "exec " + run
     return subprocess.run(
         ["unshare", "--user", "--map-root-user", "sh", "-c", script],
@@ -56,12 +64,12 @@ def test_without_namespaces_nothing_starts_and_the_message_says_the_fix(
     bastion: Bastion, tmp_path: Path
 ) -> None:
     before = _registered_runs(bastion)
-    control = tmp_path / "control"
+    control = given(tmp_path) / "control"
     r = _in_throwaway_namespace(bastion, control, turn_off=False)
     assert r.returncode == 0 and control.exists(), r.stderr  # the sandbox can be made here
     assert _registered_runs(bastion) == before + 1
 
-    marker = tmp_path / "marker"
+    marker = given(tmp_path) / "marker"
     r = _in_throwaway_namespace(bastion, marker, turn_off=True)
     assert r.returncode != 0
     assert "cannot sandbox the agent" in r.stderr and "namespaces are turned off" in r.stderr
@@ -100,15 +108,16 @@ def _namespace_members(ns: str) -> list[int]:
 def _start_marked(b: Bastion, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
     """A run whose agent detaches two marker processes (setsid, and a double fork),
     each of which would write after 2 s, then waits."""
-    marker = tmp_path / "late"
-    ready = tmp_path / "ready"
+    marker = given(tmp_path) / "late"
+    ready = given(tmp_path) / "ready"
     script = (
         f"setsid sh -c 'sleep 2; echo setsid >> {marker}' & "
         f"( sh -c 'sleep 2; echo forked >> {marker}' & ) ; "
         f"echo $$ > {ready}; sleep 60"
     )
+    rw = () if "--no-sandbox" in flags else ("--rw", str(given(tmp_path)))
     run = subprocess.Popen(
-        cli_argv(b.home.root, "run", *flags, "--", "sh", "-c", script),
+        cli_argv(b.home.root, "run", *flags, *rw, "--", "sh", "-c", script),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -120,9 +129,14 @@ def test_sigkill_of_bastion_run_leaves_no_process_of_the_run(
     bastion: Bastion, tmp_path: Path
 ) -> None:
     run, marker = _start_marked(bastion, tmp_path)
-    inner = next(
-        p.pid for p in psutil.Process(run.pid).children(recursive=True) if p.name() == "sleep"
-    )
+
+    def sleeper() -> int | None:  # `sleep 60` starts just after the ready file is written
+        kids = psutil.Process(run.pid).children(recursive=True)
+        return next((p.pid for p in kids if p.name() == "sleep"), None)
+
+    wait_for(sleeper, timeout=30)
+    inner = sleeper()
+    assert inner is not None
     ns = os.readlink(f"/proc/{inner}/ns/pid")
     assert ns != os.readlink("/proc/self/ns/pid")
     assert len(_namespace_members(ns)) >= 4  # bwrap's first process, sh, two markers, sleep
@@ -141,7 +155,7 @@ def test_without_the_sandbox_a_sigkill_lets_the_tree_outlive_the_run(
     run.send_signal(signal.SIGKILL)
     run.wait(timeout=30)
     wait_for(lambda: marker.exists() and marker.read_text().count("\n") == 2, timeout=30)
-    subprocess.run(["pkill", "-f", str(tmp_path / "ready")], check=False)
+    subprocess.run(["pkill", "-f", str(given(tmp_path) / "ready")], check=False)
 
 
 def _state(pid: int) -> str:
@@ -152,9 +166,10 @@ def test_a_terminals_ctrl_z_and_ctrl_c_reach_the_run(bastion: Bastion, tmp_path:
     """The run has a session of its own (so no TIOCSTI into the operator's terminal), so
     the terminal's job control signals reach `bastion run` alone: Ctrl-Z stops the run
     with it and `fg` resumes both; Ctrl-C ends the agent."""
-    ready = tmp_path / "ready"
+    ready = given(tmp_path) / "ready"
+    script = f"echo $$ > {ready}; exec sleep 300"
     run = shlex.join(
-        cli_argv(bastion.home.root, "run", "--", "sh", "-c", f"echo $$ > {ready}; exec sleep 300")
+        cli_argv(bastion.home.root, "run", "--rw", str(ready.parent), "--", "sh", "-c", script)
     )
     term = Terminal(["setsid", "--ctty", "bash", "--norc", "--noprofile", "-i"])
     try:

@@ -165,13 +165,19 @@ def http_server() -> Iterator[int]:
         server.server_close()
 
 
-def test_an_http_request_to_a_loopback_server_outside(bastion: Bastion, http_server: int) -> None:
-    agent = run_agent(bastion, "--label", "http")
+def test_a_loopback_server_outside_is_reached_only_with_share_net(
+    bastion: Bastion, http_server: int
+) -> None:
+    """A run's network is its own: the host's loopback (a dev server, the console) is
+    not reached from a default run; `--share-net` gives the host's network back."""
     fetch = (
         "import sys, urllib.request\n"
         "print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode(), end='')"
     )
-    r = inside(agent, PY, "-c", fetch, f"http://127.0.0.1:{http_server}/")
+    url = f"http://127.0.0.1:{http_server}/"
+    r = inside(run_agent(bastion, "--label", "http"), PY, "-c", fetch, url)
+    assert r.rc != 0 and "Connection refused" in r.stderr, r.stderr
+    r = inside(run_agent(bastion, "--label", "http", "--share-net"), PY, "-c", fetch, url)
     assert r.rc == 0, r.stderr
     assert r.stdout == b"hello from outside the run\n"
 
