@@ -198,12 +198,18 @@ def bench(
 
 def run_start(bastion: Bastion, rounds: int) -> dict[str, Any]:
     """What `bastion run` adds before the agent's first instruction: `/bin/true` alone,
-    under `bastion run --no-sandbox` (interpreter, registration, supervision) and under
-    the default sandboxed run (the same plus the preflight and bwrap), interleaved."""
+    under `bastion run --no-sandbox` (interpreter, registration, supervision), under the
+    default sandboxed run (the same plus the preflight, the layer's probe and mounts,
+    bwrap and the run's own network), and under the sandbox without its home overlay
+    (`--private-home`) and without its own network (`--share-net`), interleaved: the
+    differences are what the overlay and the network stack cost."""
+    run = ("run", "--")
     argv = {
         "true": ["/bin/true"],
         "run_no_sandbox": cli_argv(bastion.home.root, "run", "--no-sandbox", "--", "/bin/true"),
-        "run_sandboxed": cli_argv(bastion.home.root, "run", "--", "/bin/true"),
+        "run_sandboxed": cli_argv(bastion.home.root, *run, "/bin/true"),
+        "run_private_home": cli_argv(bastion.home.root, "run", "--private-home", "--", "/bin/true"),
+        "run_share_net": cli_argv(bastion.home.root, "run", "--share-net", "--", "/bin/true"),
     }
     times: dict[str, list[float]] = {k: [] for k in argv}
     for i in range(WARMUP + rounds):
@@ -216,6 +222,8 @@ def run_start(bastion: Bastion, rounds: int) -> dict[str, Any]:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out["sandbox_adds_ms"] = med["run_sandboxed"] - med["run_no_sandbox"]
     out["run_adds_ms"] = med["run_sandboxed"] - med["true"]
+    out["overlay_adds_ms"] = med["run_sandboxed"] - med["run_private_home"]
+    out["network_adds_ms"] = med["run_sandboxed"] - med["run_share_net"]
     return out
 
 
@@ -270,7 +278,9 @@ def report(r: dict[str, Any]) -> str:
         f"bastion run -- /bin/true, median ms: true alone {rs['true']['median_ms']:.1f}, "
         f"--no-sandbox {rs['run_no_sandbox']['median_ms']:.1f}, "
         f"sandboxed {rs['run_sandboxed']['median_ms']:.1f}; the sandbox adds "
-        f"{rs['sandbox_adds_ms']:.1f} ms, the whole run {rs['run_adds_ms']:.1f} ms"
+        f"{rs['sandbox_adds_ms']:.1f} ms, the whole run {rs['run_adds_ms']:.1f} ms; of it "
+        f"the home overlay {rs['overlay_adds_ms']:.1f} ms, the run's own network "
+        f"{rs['network_adds_ms']:.1f} ms"
     )
     t, net = r["throughput_MBps"], r["throughput_net_MBps"]
     lines.append(

@@ -796,6 +796,29 @@ def prepare(
     return Sandbox(argv, run_env, landlock_abi(), layer, slirp, tuple(fds), hold)
 
 
+def _layer_here() -> Unavailable | None:
+    """Can a run's layer be made here: slirp4netns, and a home overlay and a network
+    namespace in a user namespace of the run's (tried on an empty directory)?"""
+    import tempfile
+
+    if layer_mod.find_slirp() is None:
+        return Unavailable(
+            "slirp4netns is not installed (a run's network is its own)",
+            "install it (Debian/Ubuntu: sudo apt install slirp4netns), or give runs the "
+            "host's network with `bastion run --share-net`",
+        )
+    with tempfile.TemporaryDirectory(prefix="bastion-layer-") as d:
+        root = os.geteuid() == 0
+        why = layer_mod.probe(layer_mod.Layer(Path(d), root=root))
+    if why is None:
+        return None
+    return Unavailable(
+        f"a run's home overlay or network namespace cannot be made here ({why})",
+        "this needs Linux 5.11 or later with unprivileged overlayfs in user namespaces; "
+        "`bastion run --private-home --share-net` goes without both",
+    )
+
+
 @dataclass(frozen=True)
 class Machine:
     """Whether this machine can sandbox a run as this user, for `status` and `doctor`."""
@@ -825,7 +848,7 @@ def machine(bwrap_path: str | None = None, *, cached: bool = False) -> Machine:
 def _try(bwrap_path: str | None) -> Machine:
     try:
         preflight(find_bwrap(bwrap_path))
-        told = None
+        told = _layer_here()
     except Unavailable as exc:
         told = exc
     try:
