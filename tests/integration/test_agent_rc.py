@@ -28,7 +28,8 @@ def _rc_home(tmp_path: Path) -> tuple[Path, Path]:
     """A HOME whose ~/.bashrc appends "PID SHLVL" to a marker file outside it."""
     home = tmp_path / "agent-home"
     home.mkdir()
-    marker = tmp_path / "rc-read"
+    (tmp_path / "given").mkdir()
+    marker = tmp_path / "given" / "rc-read"  # in what a run is given (`_agent`: --rw)
     (home / ".bashrc").write_text(f'echo "$$ ${{SHLVL-unset}}" >> {marker}\n')
     return home, marker
 
@@ -39,7 +40,10 @@ def _agent(
     """An agent helper with SHLVL unset (None) or as given, inside `bastion run RUN_ARGS --`
     (None: outside any run)."""
     level = ("env", "-u", "SHLVL") if shlvl is None else ("env", f"SHLVL={shlvl}")
-    run = () if run_args is None else tuple(cli_argv(b.home.root, "run", *run_args, "--"))
+    given = (
+        () if run_args is None or "--no-sandbox" in run_args else ("--rw", str(b.root / "given"))
+    )
+    run = () if run_args is None else tuple(cli_argv(b.home.root, "run", *run_args, *given, "--"))
     agent = Agent(b.config, env, launcher=(*level, *run))
     b.agents.append(agent)
     return agent
