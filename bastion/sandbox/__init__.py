@@ -2,6 +2,8 @@
 
 - `per_run`: the sandbox made for each run (bubblewrap, Landlock scopes): what a run
   writes (its doors), what it must not read (`HIDDEN`); this face names its public names.
+- `access`: what a run can read and write: `HIDDEN` (a reason a row), the doors
+  (`door_refusal`), `Given`, the `Layout` they are read from; it decides, `per_run` plans.
 - `layer`: what the child mounts before bwrap: the home overlay, the run's own network.
 - `isolation`: strong isolation, an agent running as its own uid.
 - `run_agent`: the throwaway ssh agent a run's sandbox is offered.
