@@ -32,8 +32,8 @@ def _check_stat(st: os.stat_result, what: str, label: str) -> None:
         )
 
 
-def _read_policy_file(path: Path) -> str:
-    source = str(path)
+def _read_policy_file(path: Path, source: str) -> str:
+    """The file's text; `source` names it in every refusal."""
     try:
         if path.is_symlink():
             target = path.resolve(strict=True)
@@ -54,25 +54,29 @@ def _read_policy_file(path: Path) -> str:
         raise PolicyError(f"{source}: not UTF-8 text: {exc}") from None
 
 
-def load_policy_dir(directory: Path) -> Policy:
+def load_policy_dir(directory: Path, shown: Path | None = None) -> Policy:
+    """The policy of every *.toml in `directory`; `shown` is the directory's name in
+    what people read (the gateway reads its home through a descriptor, home.Held)."""
     directory = Path(directory)
+    label = Path(shown) if shown is not None else directory
     try:
         dir_stat = os.stat(directory)
         if not stat.S_ISDIR(dir_stat.st_mode):
-            fail(str(directory), "policy path is not a directory")
-        _check_stat(dir_stat, str(directory), "policy directory")
+            fail(str(label), "policy path is not a directory")
+        _check_stat(dir_stat, str(label), "policy directory")
         names = sorted(n for n in os.listdir(directory) if n.endswith(".toml"))
     except FileNotFoundError:
         fail(
-            str(directory),
+            str(label),
             f"policy directory does not exist; create it with: "
-            f"mkdir -p -m 700 {directory} and add *.toml files "
+            f"mkdir -p -m 700 {label} and add *.toml files "
             f"(see {EXAMPLE_POLICY})",
         )
     except OSError as exc:
-        fail(str(directory), f"cannot read policy directory: {exc.strerror or exc}")
+        fail(str(label), f"cannot read policy directory: {exc.strerror or exc}")
     return build_policy(
-        (name, str(directory / name), _read_policy_file(directory / name)) for name in names
+        (name, str(label / name), _read_policy_file(directory / name, str(label / name)))
+        for name in names
     )
 
 
@@ -86,10 +90,11 @@ class PolicyStore:
 
     RACY_NS = 2_000_000_000
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, shown: Path | None = None) -> None:
         self.directory = Path(directory)
+        self.shown = Path(shown) if shown is not None else self.directory
         self._stamp: tuple[Any, ...] | None = None
-        self._result: Policy | PolicyError = PolicyError(f"{self.directory}: not loaded yet")
+        self._result: Policy | PolicyError = PolicyError(f"{self.shown}: not loaded yet")
 
     def _snapshot(self) -> tuple[tuple[Any, ...], bool]:
         now = time.time_ns()
@@ -115,7 +120,7 @@ class PolicyStore:
         if stamp == self._stamp:
             return self._result
         try:
-            self._result = load_policy_dir(self.directory)
+            self._result = load_policy_dir(self.directory, self.shown)
         except PolicyError as exc:
             self._result = exc
         self._stamp = None if racy else stamp

@@ -115,6 +115,7 @@ def warning_types() -> frozenset[str]:
             E.REMOTE_REJECTED,
             E.NOT_STARTED,
             E.POLICY_FAILED,
+            E.HOME_MOVED,
             E.TORN_TAIL,
             E.OPERATOR_KILL,
             E.OPERATOR_TERMINATE,

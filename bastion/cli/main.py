@@ -243,7 +243,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         policy = "ok" if s["policy"]["ok"] else f"UNAVAILABLE: {s['policy']['error']}"
         listeners = s.get("listeners") or {}
         held = s.get("keys_held") or {}
+        home = s.get("home") or {}
         lines = [
+            *(f"home:      MOVED: {sentence}" for sentence in home.get("moved") or []),
             f"vault:     {'locked' if s['locked'] else 'unlocked'} (epoch {s['vault_epoch']}); "
             f"keys held in memory: {held.get('vault_keys', '?')}, "
             f"connections holding one: {held.get('connections', '?')}",

@@ -47,7 +47,7 @@ from bastion.cli.rows import activity_rows, cells, session_rows
 from bastion.cli.statusline import status_line
 from bastion.core.display import escape_text
 from bastion.core.events import foreign_warning
-from bastion.ops.opsock import OperatorError, call
+from bastion.ops.opsock import OperatorError, WrongServer, call, check_server
 
 
 def _shown(value: object) -> str:
@@ -116,6 +116,7 @@ class Prompt:
         self.status_shown = False  # the status line is on screen, to be erased before output
         self.fetched_at = -STATUS_EVERY  # monotonic time of the last status request
         self.stale = True  # something happened since: refresh soon
+        self.refused: str | None = None  # why the socket's server is not the gateway, once said
         self.resized = resized  # readable when the terminal changed size (SIGWINCH)
         self.inputs = [infd] + ([resized] if resized is not None else [])
         self.mode = Mode.IDLE  # what the keyboard's next read is decided in
@@ -190,10 +191,18 @@ class Prompt:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(str(self.path))
+            check_server(sock, self.path)  # nothing to a process that is not the gateway
             sock.sendall(json.dumps({"op": "watch"}).encode() + b"\n")
+        except WrongServer as exc:
+            sock.close()
+            if str(exc) != self.refused:
+                self.refused = str(exc)
+                self.say(self.style.bad(f"not the gateway: {_shown(str(exc))}"))
+            return None
         except OSError:
             sock.close()
             return None
+        self.refused = None
         return sock
 
     def _session(self, sock: socket.socket) -> str:

@@ -41,7 +41,8 @@ class BastionError(Exception):
         ├── sandbox.memory.NotClosed -- the memory could not be closed to its uid
         ├── ops.actions.OpsError -- an operator action that cannot be done as asked
         ├── ops.opsock.OperatorError -- an operator request failed
-        │   └── ops.opsock.GatewayNotRunning
+        │   ├── ops.opsock.GatewayNotRunning
+        │   └── ops.opsock.WrongServer -- not the recorded gateway answers: nothing was sent
         ├── ops.service_unit.UnitError [ValueError] -- an input the systemd unit cannot express
         ├── journal.courier.Undelivered -- a witness delivery failed part way
         ├── agent.client.AgentError -- the agent-side client could not get a usable answer

@@ -76,6 +76,9 @@ class EventType(enum.Enum):
     VAULT_LOCKED = "vault_locked"
     VAULT_UNLOCKED = "vault_unlocked"
     RUN_REGISTERED = "run_registered"
+    # the home's path no longer leads to the directory the gateway holds open (home.Held):
+    # once per lifetime and directory; meta: which and its path; the gateway reads on there
+    HOME_MOVED = "home_moved"
     # approvals
     CARD_RAISED = "card_raised"
     CARD_CLOSED = "card_closed"

@@ -136,6 +136,10 @@ class GatewayView(Protocol):
 
     def keys_held(self) -> dict[str, int]: ...
 
+    def home_status(self) -> dict[str, Any]: ...
+
+    def shown(self, text: str) -> str: ...
+
 
 class Control:
     def __init__(self, gateway: GatewayView) -> None:
@@ -164,7 +168,19 @@ class Control:
         }
         for name in ops.KEY_OPS:
             handlers[name] = self._key_handler(name)
-        return handlers
+        return {name: self._shown(h) for name, h in handlers.items()}
+
+    def _shown(self, handler: Handler) -> Handler:
+        """`handler`, its refusal worded with the home's path, not the /proc/self/fd name
+        the gateway acts through (home.Held)."""
+
+        async def answer(args: dict[str, Any]) -> Any:
+            try:
+                return await handler(args)
+            except OperatorError as exc:
+                raise OperatorError(self.gw.shown(str(exc))) from None
+
+        return answer
 
     # -- state -------------------------------------------------------------------------
 
@@ -176,11 +192,13 @@ class Control:
             "locked": gw.vault.locked,
             "vault_epoch": gw.vault.epoch,
             "boot_id": gw.boot_id,
+            # The home's path, and whether it still leads to the directory held open.
+            "home": gw.home_status(),
             "policy": {
                 "ok": not broken,
-                "error": str(policy) if broken else None,
+                "error": gw.shown(str(policy)) if broken else None,
                 "hosts": [] if broken else sorted(policy.hosts),  # type: ignore[union-attr]
-                "directory": str(gw.settings.policies),
+                "directory": gw.shown(str(gw.settings.policies)),
             },
             "isolation": gw.isolation(),
             "journal": {
@@ -194,7 +212,7 @@ class Control:
             "agent_connections": len(self.service.connections),
             "sessions": len(self.book.sessions()),
             "pid": os.getpid(),
-            "agent_socket": str(gw.settings.agent_socket),
+            "agent_socket": gw.shown(str(gw.settings.agent_socket)),
             "listeners": gw.listeners_health(),
             "keys_held": gw.keys_held(),
             # Backpressure: commands in flight, queued for a slot, refused GATEWAY_BUSY.
@@ -213,7 +231,7 @@ class Control:
             # Records no vouch of this identity covers, found at the last unlock.
             "foreign_records": gw.foreign.reported,
             "guarantees": await asyncio.to_thread(
-                status_guarantees, gw.home, gw.isolation(), os.getpid()
+                status_guarantees, gw.home.here(), gw.isolation(), os.getpid()
             ),
             # The browser console (None: off) and its open event streams (tabs).
             "console": gw.console_status(),

@@ -27,7 +27,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from bastion.core.defaults import (
     KEEPALIVE_INTERVAL,
 )
 from bastion.core.events import EventType, recover
-from bastion.core.policy import PolicyError
+from bastion.core.policy import Policy, PolicyError
 from bastion.core.subject import Peer, ProcessInfo, ProcessKey, Run, Subject
 from bastion.gateway import logfmt, mux, opserver, sdnotify
 from bastion.gateway.admission import Admission
@@ -65,7 +65,7 @@ from bastion.gateway.service import Edges
 from bastion.gateway.signers import Signers
 from bastion.gateway.tenants import Tenants
 from bastion.gateway.trim import TRIMMER, settle
-from bastion.home import Home
+from bastion.home import Held, Home
 from bastion.identity import (
     DEFAULT_TERMINAL_HOSTS,
     DEFAULT_WRAPPERS,
@@ -104,6 +104,8 @@ class Settings:
     keepalive_count_max: int = KEEPALIVE_COUNT_MAX
     wrappers: frozenset[str] = frozenset()  # added to identity.DEFAULT_WRAPPERS
     terminal_hosts: frozenset[str] = frozenset()  # added to identity.DEFAULT_TERMINAL_HOSTS
+    # The policy directory held open by itself, when it is not under the home (`hold_home`).
+    policies_held: Held | None = None
 
 
 def gateway_config(home: Home) -> Config:
@@ -112,13 +114,14 @@ def gateway_config(home: Home) -> Config:
     try:
         return load_config(home.config)
     except ConfigError as exc:
-        raise SystemExit(f"bastion: {exc}; the gateway does not start") from None
+        raise SystemExit(f"bastion: {home.shown(str(exc))}; the gateway does not start") from None
 
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.home = settings.home
+        self._moved_told: set[str] = set()  # the held directories journaled as moved
         self.config = gateway_config(self.home)
         self.boot_id = "boot_" + secrets.token_hex(12)
         self.vault = Vault.open(self.home.vault)  # opened locked: a new lifetime starts locked
@@ -161,7 +164,13 @@ class Gateway:
         assembly = build_service(
             boot_id=self.boot_id,
             vault=self.vault,
-            policy=PolicyWatch(PolicyStore(settings.policies), self.recorder),
+            policy=PolicyWatch(
+                HomeWatch(
+                    PolicyStore(settings.policies, self.shown_path(settings.policies)),
+                    self.home_moved,
+                ),
+                self.recorder,
+            ),
             book=self.book,
             outbound=self.dispatcher,
             recorder=self.recorder,
@@ -270,6 +279,47 @@ class Gateway:
     def isolation(self) -> str:
         strong = self.settings.agent_group is not None and not self.same_uid_agent_seen
         return "strong" if strong else "advisory"
+
+    # -- the home, held open (home.Held) ---------------------------------------------------
+
+    def shown(self, text: str) -> str:
+        """`text` with each held directory's /proc/self/fd name replaced by its path."""
+        held = self.settings.policies_held
+        return self.home.shown(held.shown(text) if held is not None else text)
+
+    def shown_path(self, path: Path) -> Path:
+        return Path(self.shown(str(path)))
+
+    def home_moved(self) -> list[str]:
+        """One sentence for each held directory (the home; the policy directory when it
+        is held by itself) whose path no longer leads to it. The gateway goes on with the
+        directories it holds and reads nothing at the path. Journaled (`home_moved`),
+        logged and told to watching operators the first time each is seen moved."""
+        out = []
+        directories = ((self.home.held, "home"), (self.settings.policies_held, "policy directory"))
+        for held, what in directories:
+            sentence = held.moved(what) if held is not None else None
+            if held is None or sentence is None:
+                continue
+            out.append(sentence)
+            if what not in self._moved_told:
+                self._moved_told.add(what)
+                log.error("%s", sentence)
+                meta = {"what": what, "path": str(held.path)}
+                self.recorder.record(EventType.HOME_MOVED, meta, {"said": sentence})
+                self.recorder.notice(sentence)
+        return out
+
+    def home_status(self) -> dict[str, Any]:
+        """For `bastion status`: the home's path, and whether it still leads to the
+        directory this gateway holds (`moved`: the sentences, else [])."""
+        held = self.home.held
+        return {
+            "path": str(self.home.path),
+            "held": held is not None,
+            "device_inode": [held.dev, held.ino] if held is not None else None,
+            "moved": self.home_moved(),
+        }
 
     # -- who connects ----------------------------------------------------------------------
 
@@ -425,9 +475,9 @@ class Gateway:
         _copy_pin(home)
         self._loop = asyncio.get_running_loop()
         self._load_previous_lifetime()
-        with contextlib.suppress(opsock.OperatorError):
-            opsock.call(home.operator_socket, "status", timeout=2)
-            raise SystemExit(f"bastion: a gateway is already running for {home.root}")
+        with contextlib.suppress(opsock.OperatorError):  # whoever answers: do not start
+            opsock.call(home.operator_socket, "status", timeout=2, verify=False)
+            raise SystemExit(f"bastion: a gateway is already running for {home.path}")
         self._start_witness()
         found = self.journal.open()
         self.requests.load(found)  # before recovery closes what they left open
@@ -437,6 +487,7 @@ class Gateway:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stop)
         control = Control(self)
+        _record_self(home)  # before the socket: the CLI checks who answers against it
         op_server = self._operator_server = await opserver.serve(
             home.operator_socket,
             control.handlers(),
@@ -535,6 +586,68 @@ def _write_private(path: Path, doc: dict[str, Any], what: str) -> None:
         log.warning("could not record %s for the next lifetime: %s", what, exc)
 
 
+class HomeWatch:
+    """The policy store, read from the directory the gateway holds; each read first
+    looks whether the home's path still leads there (`Gateway.home_moved`, which
+    journals a move once), so a home moved away is noticed by the first request after."""
+
+    def __init__(self, store: PolicyStore, look: Callable[[], object]) -> None:
+        self.store = store
+        self.look = look
+
+    def current(self) -> Policy | PolicyError:
+        self.look()
+        return self.store.current()
+
+
+def _record_self(home: Home) -> None:
+    """`gateway.json`: this process (pid, start, namespaces), which the CLI checks the
+    operator socket's server against before it sends anything (`opsock.check_server`)."""
+    tmp = home.gateway_record.with_suffix(".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(opsock.own_record(), f)
+        os.replace(tmp, home.gateway_record)
+    except OSError as exc:
+        where = home.shown(str(home.gateway_record))
+        raise SystemExit(
+            f"bastion: cannot write {where} ({exc.strerror}): the CLI would talk to no "
+            "gateway; the gateway does not start"
+        ) from None
+
+
+def hold_home(settings: Settings) -> Settings:
+    """The settings acted on through descriptors opened now (home.Held): the home, and
+    the policy directory by itself when it is not under the home. Every file the gateway
+    reads or writes there, and both sockets under the home, are then named through
+    /proc/self/fd, so a rename of the home or of a directory above it changes nothing
+    the gateway does; `Gateway.home_moved` says when the path no longer leads there."""
+    try:
+        home = settings.home.hold()
+    except OSError as exc:
+        raise SystemExit(
+            f"bastion: cannot open the home {settings.home.root} ({exc.strerror}); "
+            "the gateway does not start"
+        ) from None
+    assert home.held is not None
+    policies, policies_held = home.held.under(settings.policies), None
+    if policies is None:
+        try:
+            policies_held = Held.open(settings.policies)
+            policies = policies_held.root
+        except OSError:  # missing or unreadable: the policy loader says so, by its path
+            policies = settings.policies
+    agent_socket = home.held.under(settings.agent_socket) or settings.agent_socket
+    return replace(
+        settings,
+        home=home,
+        policies=policies,
+        agent_socket=agent_socket,
+        policies_held=policies_held,
+    )
+
+
 def _copy_pin(home: Home) -> None:
     """The gateway's public host key line, where a sandboxed run can read it."""
     with contextlib.suppress(OSError):
@@ -606,6 +719,7 @@ def run_daemon(settings: Settings) -> None:
     logfmt.setup(logging.INFO)  # every line of the log escaped (logfmt.py)
     for note in harden_process():
         log.warning("%s", note)
+    settings = hold_home(settings)  # before the fork below: the child inherits the descriptors
     # A /proc/PID/mem opened before the prctl still reads this process: the gateway goes
     # on in a child whose memory nobody could open, and this process only waits for it.
     first = os.getpid()

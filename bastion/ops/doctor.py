@@ -333,6 +333,9 @@ def judge_policy(
 
 
 def check_policy(ctx: Context) -> list[Check]:
+    if home_moved(ctx):  # what is at the path now is not what the gateway reads
+        detail = f"not read from {ctx.policy_dir}: the home moved (see home), the gateway reads on"
+        return [Check("policy", Status.SKIP, detail + " from the directory it holds")]
     labels: list[str] | None = None
     if ctx.policy is not None:
         from bastion.vault import Vault, VaultError
@@ -395,6 +398,33 @@ def check_gateway(ctx: Context) -> list[Check]:
         f"answering (pid {s.get('pid')}, boot {s.get('boot_id')}) at {ctx.home.operator_socket}"
     )
     return [Check("gateway", Status.OK, detail)]
+
+
+def judge_home(home: Home, status: Mapping[str, Any] | None) -> Check:
+    """Does the home's path still lead to the directory the running gateway holds open
+    (home.Held)? The gateway's own sentence when it does not."""
+    name, restart = "home", "restart `bastion daemon`"
+    if status is None:
+        return Check(name, Status.SKIP, "the gateway is not running: it holds no directory")
+    held = status.get("home")
+    if not isinstance(held, Mapping) or not held.get("held"):
+        detail = "the running gateway does not hold its home open (a gateway older than this)"
+        return Check(name, Status.FAIL, detail, restart)
+    moved = [str(m) for m in held.get("moved") or []]
+    if moved:
+        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+        fix = f"put the home back at {_q(held.get('path') or home.root)}, then {restart}"
+        return Check(name, Status.FAIL, moved[0] + more, fix)
+    detail = f"{held.get('path')} leads to the directory the gateway holds open"
+    return Check(name, Status.OK, detail)
+
+
+def check_home(ctx: Context) -> list[Check]:
+    return [judge_home(ctx.home, ctx.gateway)]
+
+
+def home_moved(ctx: Context) -> bool:
+    return bool(((ctx.gateway or {}).get("home") or {}).get("moved"))
 
 
 def check_vault(ctx: Context) -> list[Check]:
@@ -506,8 +536,8 @@ def check_hosts(ctx: Context) -> list[Check]:
 
 CheckFn = Callable[[Context], list[Check]]
 CHECKS: tuple[CheckFn, ...] = (
-    check_ssh_client, check_gateway, check_vault, check_sandbox, check_isolation, check_modes,
-    check_config, check_policy, check_hosts, check_witness, check_keyring,
+    check_ssh_client, check_gateway, check_home, check_vault, check_sandbox, check_isolation,
+    check_modes, check_config, check_policy, check_hosts, check_witness, check_keyring,
 )  # fmt: skip
 
 

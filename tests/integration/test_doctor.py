@@ -46,6 +46,7 @@ DOCTOR_USER = "bastion-test-doctor"  # not test_isolate's user: those tests remo
 NAMES = {
     "ssh client",
     "gateway",
+    "home",
     "vault",
     "sandbox",
     "landlock",
@@ -197,7 +198,7 @@ def test_gateway_down(setup: Setup) -> None:
     setup.b.stop_daemon()
     try:
         checks = expect(
-            setup, {"gateway": "`bastion daemon`"}, skips=frozenset({"vault", "witness"})
+            setup, {"gateway": "`bastion daemon`"}, skips=frozenset({"home", "vault", "witness"})
         )
         assert "the gateway is not running" in checks["gateway"]["detail"]
     finally:

@@ -29,25 +29,29 @@ def _run_launcher(bastion: Bastion, label: str, sandboxed: bool = False) -> tupl
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare missing")
 def test_a_process_in_other_namespaces_cannot_speak_for_the_operator(bastion: Bastion) -> None:
-    """No run, no card, nothing the gateway remembers: only the kernel's namespaces."""
+    """No run, no card, nothing the gateway remembers: only the kernel's namespaces. The
+    CLI there refuses on its own (it cannot see who answers: `opsock.check_server`), and
+    a client that skips that check is refused by the gateway."""
     outside = bastion.cli("pending", check=False)
     assert outside.returncode == 0, outside.stderr  # the positive control
-    inside = subprocess.run(
-        [
-            "unshare",
-            "--user",
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            *cli_argv(bastion.home.root, "pending"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert inside.returncode != 0
-    assert "inside a sandboxed run" in inside.stderr, inside.stderr
+
+    def inside(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["unshare", "--user", "--pid", "--fork", "--mount-proc", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+
+    cli = inside(*cli_argv(bastion.home.root, "pending"))
+    assert cli.returncode != 0
+    assert "answered by a process this command cannot see" in cli.stderr, cli.stderr
+    raw = f"from bastion.ops import opsock; opsock.call({str(bastion.home.operator_socket)!r}, "
+    raw += "'pending', verify=False)"
+    unchecked = inside(sys.executable, "-c", raw)
+    assert unchecked.returncode != 0
+    assert "inside a sandboxed run" in unchecked.stderr, unchecked.stderr
 
 
 @pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])

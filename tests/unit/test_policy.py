@@ -362,9 +362,9 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     calls: list[Path] = []
     real = policy_mod.load_policy_dir
 
-    def spy(directory: Path) -> Policy:
+    def spy(directory: Path, shown: Path | None = None) -> Policy:
         calls.append(directory)
-        return real(directory)
+        return real(directory, shown)
 
     monkeypatch.setattr(policy_mod, "load_policy_dir", spy)
     return calls
