@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +60,11 @@ def ansible_files(b: Bastion, work: Path) -> dict[str, str]:
         "inventory = inventory.ini\n"
         "[ssh_connection]\n"
         f"ssh_args = -F {b.config} -C -o ControlMaster=auto -o ControlPersist=60s\n"
-        # A unix socket's path is at most 107 bytes: the masters' sockets go where it is short.
-        f"control_path_dir = {tempfile.mkdtemp(prefix='cp')}\n"
+        # control_path_dir stays ansible's default, ~/.ansible/cp: in a run the home is the
+        # run's own overlay, so its masters are its own.
     )
     return {
         "ANSIBLE_CONFIG": str(work / "ansible.cfg"),
-        "HOME": str(work),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_FORCE_COLOR": "0",
     }
