@@ -100,7 +100,7 @@ class Layer:
         home = os.fsencode(self.home)
         # Descriptors to what stays real, opened in this namespace before the overlay
         # hides it (a bind from another namespace's mount is refused).
-        real = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for d in self.real]
+        real = [(d, os.open(d, os.O_PATH | os.O_CLOEXEC)) for d in self.real]  # dir or file
         lower = os.open(self.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         if self.kept is None:
             # The upper layer: a tmpfs on the home itself, reached through a descriptor

@@ -194,7 +194,6 @@ def the_layer(layout: Layout, given: Given, *, root: bool) -> layer_mod.Layer:
     agent_dir = Path(os.path.realpath(layout.agent_dir))
     if agent_dir.is_relative_to(home):
         real.append(agent_dir)
-    real += [p for p in given.ro if Path(os.path.realpath(p)).is_relative_to(home)]
     return layer_mod.Layer(
         home,
         tuple(Path(os.path.realpath(p)) for p in real),
