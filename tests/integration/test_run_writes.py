@@ -193,6 +193,10 @@ def test_the_system_is_read_only_and_rw_gives_a_path_back(op: Operator, project:
         assert not (spare / "x").exists()
         ok(op.run(f"touch {spare}/x", "--rw", str(spare), cwd=project))
         assert (spare / "x").exists()
+        # A file of the home given read-write: its writes reach the disk, the rest do not.
+        notes = op.write(op.home / "notes.txt", "before\n")
+        ok(op.run(f"echo after > {notes}; echo x > ~/other.txt", "--rw", str(notes), cwd=project))
+        assert notes.read_text() == "after\n" and not (op.home / "other.txt").exists()
     finally:
         subprocess.run(["rm", "-rf", str(spare)], check=False)
 
@@ -332,6 +336,10 @@ def test_pip_install_user_goes_into_the_overlay_and_keep_home_keeps_it(
     )
     r = ok(op.run(install, cwd=project))
     assert "installed" in r.stdout
+    # A language server's cache and a test suite's /tmp work too, and stay the run's.
+    cache = "mkdir -p ~/.cache/lsp && echo idx > ~/.cache/lsp/index && echo t > /tmp/suite"
+    ok(op.run(cache + " && cat ~/.cache/lsp/index /tmp/suite", cwd=project))
+    assert not (op.home / ".cache" / "lsp").exists()
     user_site = op.home / ".local" / "lib"
     assert not any(user_site.rglob("tinypkg*")), "the install reached the disk"
     # A second default run starts from the disk again; --keep-home keeps the label's.
