@@ -38,6 +38,7 @@ class BastionError(Exception):
         │   └── vault.file_format.KeyFilePassphraseNeeded
         ├── sandbox.isolation.IsolationError -- isolation is not set up, or cannot be
         ├── sandbox.per_run.Unavailable -- the sandbox cannot be made here: the reason and the fix
+        ├── sandbox.layer.LayerError [OSError] -- the run's overlay or network could not be made
         ├── sandbox.memory.NotClosed -- the memory could not be closed to its uid
         ├── ops.actions.OpsError -- an operator action that cannot be done as asked
         ├── ops.opsock.OperatorError -- an operator request failed

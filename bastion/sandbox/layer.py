@@ -37,6 +37,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from bastion.core.errors import BastionError
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -49,7 +51,7 @@ SLIRP_DNS = "10.0.2.3"  # slirp4netns's resolver, forwarding to the host's
 NETWORK_READY = 10.0  # seconds slirp4netns has to configure the run's network
 
 
-class LayerError(OSError):
+class LayerError(BastionError, OSError):
     """The layer could not be made: which step, and the kernel's reason."""
 
 
