@@ -298,13 +298,14 @@ def _prepare(
     iso: Isolation | None,
     keys: ThrowawayAgent | None = None,
     label: str = "",
-) -> tuple[sandbox_mod.Sandbox, str]:
-    """The run's sandbox and the word that names its project on the registration, or
-    fail with the reason and the fix: nothing has started. `keys`: the run's
+) -> tuple[sandbox_mod.Sandbox, str, str]:
+    """The run's sandbox, the word that names its project on the registration, and a
+    note for the operator once the run starts (why it has no project), or fail with the
+    reason and the fix: nothing has started. `keys`: the run's
     throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
     import dataclasses
 
-    word = ""
+    word = note = ""
     if iso is None:
         layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
         project = sandbox_mod.project_of(layout.cwd)
@@ -316,11 +317,10 @@ def _prepare(
             word = f"project {project}"
         else:
             word = "project: none"
-            click.echo(
+            note = (
                 f"bastion: the run's writes stay in its own home overlay: no project is "
                 f"given, since {why}. Start the run in the project's directory, or give "
-                "--rw DIR.",
-                err=True,
+                "--rw DIR."
             )
         if given.keep_home:
             layout = dataclasses.replace(layout, kept=_kept_home(label))
@@ -342,7 +342,7 @@ def _prepare(
     if keys is not None:
         where["agent_auth"] = (keys.directory, keys.inside.parent)
     try:
-        return sandbox_mod.prepare(layout, env, given, **where), word
+        return sandbox_mod.prepare(layout, env, given, **where), word, note
     except sandbox_mod.Unavailable as exc:
         fail(f"cannot sandbox the agent: {exc.reason}. Fix: {exc.fix}. Nothing was started.")
     except ValueError as exc:
@@ -525,12 +525,12 @@ def run(
     # sandbox, which sees the user's as they are).
     keys = None if no_sandbox else _throwaway_agent(iso)
     try:
-        box, project = (
-            (None, None) if no_sandbox else _prepare(home, socket_path, given, iso, keys, label)
+        box, project, note = (
+            (None, "", "") if no_sandbox else _prepare(home, socket_path, given, iso, keys, label)
         )
         if box is not None and iso is None:
             words = [project, *words]
-        code = _start(socket_path, label, words, box, iso, command)
+        code = _start(socket_path, label, words, box, iso, command, note)
     finally:
         if keys is not None:
             keys.close()
@@ -551,6 +551,7 @@ def _start(
     box: sandbox_mod.Sandbox | None,
     iso: Isolation | None,
     command: tuple[str, ...],
+    note: str = "",
 ) -> int:
     """Register, then start CMD in its sandbox (or without one) and supervise it."""
     run_id = _register(socket_path, label, None if box is None else words)
@@ -560,6 +561,8 @@ def _start(
         f"bastion: registered {run_id} (pid {os.getpid()}); starting {command[0]} {what}{who}",
         err=True,
     )
+    if note:
+        click.echo(note, err=True)
     if box is None:
         return _supervise(list(command), False, env=nested(os.environ))
     popen: dict[str, Any] = {

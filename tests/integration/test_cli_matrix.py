@@ -138,6 +138,8 @@ def world(
         b.op("key_generate", label="doomed-offline")  # for the offline `key remove` row
         keys = root / "keys"
         keys.mkdir()
+        given = root / "given"
+        given.mkdir()
         w = World(
             b,
             root,
@@ -151,8 +153,10 @@ def world(
                 "deploy_fp": ssh_fingerprint(client_key[0].with_suffix(".pub")),
                 "import_offline": str(keygen(keys / "imp-offline", "ecdsa")),
                 "import_online": str(keygen(keys / "imp-online", "ed25519")),
-                "marker_offline": str(root / "run-offline.marker"),
-                "marker_online": str(root / "run-online.marker"),
+                # What a run is given (--rw): a run writes only there.
+                "given": str(given),
+                "marker_offline": str(given / "run-offline.marker"),
+                "marker_online": str(given / "run-online.marker"),
             },
         )
         yield w
@@ -677,8 +681,10 @@ def check_run_offline(w: World, r: Out) -> None:
 
 def check_run_online(w: World, r: Out) -> None:
     assert r.returncode == 3, r  # the command's own status
-    assert re.match(
-        r"bastion: registered run_\S+ \(pid \d+\); starting sh in its sandbox\n", r.stderr
+    assert re.search(
+        r"^bastion: registered run_\S+ \(pid \d+\); starting sh in its sandbox\n",
+        r.stderr,
+        re.MULTILINE,
     ), r.stderr
     assert Path(w.vars["marker_online"]).exists()
 
@@ -1083,7 +1089,16 @@ ROWS: list[Row] = [
     Row(
         ("run",),
         online=Case(
-            ("--label", "matrix", "--", "sh", "-c", "touch {marker_online}; exit 3"),
+            (
+                "--label",
+                "matrix",
+                "--rw",
+                "{given}",
+                "--",
+                "sh",
+                "-c",
+                "touch {marker_online}; exit 3",
+            ),
             check_run_online,
         ),
         offline=Case(("--", "sh", "-c", "touch {marker_offline}"), check_run_offline),
