@@ -27,9 +27,16 @@ GIT_ENV = {
 }  # fmt: skip
 
 
+def given(b: Bastion) -> Path:
+    """The directory a run is given (`--rw`): a run writes only where it was given."""
+    d = b.root / "given"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def approved(b: Bastion) -> Agent:
-    """A sandboxed run whose session card was approved."""
-    agent = run_agent(b, "--label", "tools")
+    """A sandboxed run whose session card was approved, given `given(b)`."""
+    agent = run_agent(b, "--label", "tools", "--rw", str(given(b)))
     rid = agent.start("true")
     b.approve_next()
     assert agent.wait(rid).rc == 0
@@ -51,7 +58,7 @@ def test_rsync_up_and_down_byte_exact(bastion: Bastion, tmp_path: Path, journal_
     (src / "bin").write_bytes(os.urandom(300_000))
     (src / "sub" / "text").write_text("through bastion\n")
     (src / "sub" / "empty").write_bytes(b"")
-    up, down = tmp_path / "up", tmp_path / "down"
+    up, down = tmp_path / "up", given(bastion) / "down"
     ssh = f"ssh -F {bastion.config}"
     r = agent.run([], argv=["rsync", "-a", "-e", ssh, f"{src}/", f"web1:{up}/"])
     assert r.rc == 0, r.stderr
@@ -83,11 +90,11 @@ def test_git_clone_and_push_with_protocol_v2(
     so upload-pack answers v0 -- git's own fallback.)"""
     agent = approved(bastion)
     _, bare = _repo(tmp_path)
-    clone = tmp_path / "clone"
+    clone = given(bastion) / "clone"
     env = {
         **GIT_ENV,
         "GIT_SSH_COMMAND": f"ssh -F {bastion.config}",
-        "GIT_TRACE_PACKET": str(tmp_path / "trace"),
+        "GIT_TRACE_PACKET": str(given(bastion) / "trace"),
     }
     r = agent.run([], argv=[
         "git", "-c", "protocol.version=2", "clone", "-q", f"web1:{bare}", str(clone),
