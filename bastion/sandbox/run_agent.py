@@ -13,6 +13,19 @@ sign with that key, and fails every other one (add, remove, lock, extensions: no
 can be put into it or taken out of it); no process to start, watch or kill, no key on
 disk, and it lives exactly as long as the supervisor serves it (`close`). Only the
 supervisor's uid, root and the run's agent user (`--isolated`) may talk to it.
+
+Its socket needs a name on the host's disk for the whole run: the sandbox connects to
+it by path (an abstract socket made outside is refused by the run's Landlock scope),
+through a bind of its directory, and unlinking the name would take it from the run too.
+A name on disk outlives a `bastion run` that dies without its `close` (SIGKILL, a
+crash), so the directory has a janitor (`_janitor`): a process of its own, forked
+before the run starts and outside its tree (its own session, not below the run's
+subreaper, deaf to the signals that end a run), that waits on a pipe whose only write
+end `bastion run` holds. The kernel closes that end when `bastion run` dies, however it
+dies, and the janitor then removes the directory: nothing of a run is left in the
+host's temporary directory for longer than that takes (milliseconds). A sweep of stale
+directories at the next run's start would leave them until then, and not at all on a
+machine where no run follows.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import struct
 import tempfile
@@ -63,6 +77,7 @@ class ThrowawayAgent:
         self.blob = _string(b"ssh-ed25519") + _string(raw)
         self._uids = {0, os.getuid()} | ({allowed_uid} if allowed_uid is not None else set())
         self.directory = Path(tempfile.mkdtemp(prefix="bastion-run-agent-"))
+        self._janitor = _janitor(self.directory)
         self.socket_path = self.directory / "agent.sock"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -90,8 +105,13 @@ class ThrowawayAgent:
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the janitor finds nothing left, and ends
+            os.close(self._janitor)
 
     def _serve(self) -> None:
+        # No signal for this thread (nor for the client threads it starts): the run's
+        # supervisor waits for them itself (`run._supervise`, sigtimedwait).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
@@ -138,6 +158,36 @@ class ThrowawayAgent:
                 signature = _string(b"ssh-ed25519") + _string(self._key.sign(data))
                 return bytes([SIGN_RESPONSE]) + _string(signature)
         return bytes([FAILURE])
+
+
+# The janitor's program: deaf to the signals that end a run, it reads its stdin (the
+# pipe) until the end of file that the death of `bastion run` makes, then removes $1.
+JANITOR = 'trap "" HUP INT QUIT TERM TSTP; while read -r _; do :; done; exec rm -rf -- "$1"'
+
+
+def _janitor(directory: Path) -> int:
+    """Start the process that removes `directory` once this process is gone (see the
+    module's docstring) and return the pipe's write end, to close at `close` (or never:
+    the kernel closes it). Forked twice, so that it is nobody's child here: the run's
+    supervisor ends every process below it, and the janitor must outlive it."""
+    r, w = os.pipe()  # both ends close on exec: no program this process starts holds w
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, then the janitor
+        try:
+            os.setsid()  # no terminal's signals, no process group of the run's
+            if os.fork() == 0:
+                os.chdir("/")
+                os.dup2(r, 0)
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+                env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+                os.execve("/bin/sh", ["sh", "-c", JANITOR, "sh", str(directory)], env)
+        finally:
+            os._exit(0)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return w
 
 
 def _receive(conn: socket.socket) -> bytes | None:
