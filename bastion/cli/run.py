@@ -85,20 +85,30 @@ def _register(path: Path, label: str, given: list[str] | None) -> str:
     return reply[3:]
 
 
-def _reap() -> None:
-    """Collect every child that has exited (orphans of the tree are ours)."""
+END_GRACE = 5.0  # seconds a run told to end has, after the signal is passed on, before SIGKILL
+SI_KERNEL = 0x80  # siginfo's si_code for a signal the kernel sent: a terminal's Ctrl-C
+WAKE = 10.0  # seconds the supervisor waits for a signal at most (SIGCHLD wakes it first)
+
+
+def _reap(watch: int | None = None) -> int | None:
+    """Collect every child that has exited (orphans of the tree are ours); the wait
+    status of `watch`, if it was among them."""
+    got = None
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return got
         if pid == 0:
-            return
+            return got
+        if pid == watch:
+            got = status
 
 
-def _end_tree() -> None:
-    """SIGTERM, then SIGKILL after TERM_GRACE, whatever is left below this
-    process (the subreaper: detached processes were reparented here), and reap it."""
+def _end_tree(grace: float = TERM_GRACE) -> None:
+    """SIGTERM (and SIGCONT, so that a stopped process can act on it), then SIGKILL
+    after `grace`, whatever is left below this process (the subreaper: detached
+    processes were reparented here), and reap it."""
     import signal
     import time
 
@@ -116,16 +126,57 @@ def _end_tree() -> None:
         if not left:
             return
         waited = time.monotonic() - start
-        if waited > TERM_GRACE + KILL_PATIENCE:
+        if waited > grace + KILL_PATIENCE:
             pids = " ".join(str(p.pid) for p in left)
             click.echo(f"bastion: processes of the run would not die: {pids}", err=True)
             return
+        if waited > grace:
+            _kill([p.pid for p in left])
         for p in left:
-            if waited > TERM_GRACE or p not in termed:
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGKILL if waited > TERM_GRACE else signal.SIGTERM)
+            if p not in termed and waited <= grace:
+                for n in (signal.SIGTERM, signal.SIGCONT):
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(n)
                 termed.add(p)
         time.sleep(0.02)
+
+
+def _namespace_init(pid: int) -> bool:
+    """Is `pid` the first process of a PID namespace below this process's (bwrap's
+    namespace init: when it dies, the kernel kills every process of its namespace)?"""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            ids = line.split()[1:]
+            return len(ids) > 1 and ids[-1] == "1"
+    return False
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGKILL these processes, the first process of each PID namespace among them
+    first: the kernel then kills the rest of its namespace with it, stopped and traced
+    processes too, and none of them can fork any more."""
+    import signal
+
+    for pid in sorted(pids, key=lambda p: not _namespace_init(p)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _kill_run() -> None:
+    """SIGKILL every process of the run now: all below this process (bwrap, whatever
+    is in its PID namespace, the run's slirp4netns; under --no-sandbox the whole tree,
+    which this process is the subreaper of)."""
+    import psutil
+
+    try:
+        tree = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    _kill([p.pid for p in tree])
 
 
 def _sandboxed(pid: int) -> list[int]:
@@ -139,6 +190,26 @@ def _sandboxed(pid: int) -> list[int]:
     return []
 
 
+def _run_signals(sandboxed: bool) -> set[int]:
+    """The signals `_supervise` waits for itself (SIGTSTP only for a sandbox, whose
+    run has a session of its own: unsandboxed, Ctrl-Z stops the run's group as usual)."""
+    import signal
+
+    waited = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGWINCH, signal.SIGCHLD}
+    return waited | ({signal.SIGTSTP} if sandboxed else set())
+
+
+def _hold_signals(sandboxed: bool) -> None:
+    """Block the run's signals in this thread before any thread of the run is started
+    (every thread inherits its creator's mask), so that each one waits, pending, for
+    `_supervise`'s sigtimedwait, with what sent it (a terminal, or a process), and none
+    is taken by another thread. The throwaway agent's threads, started earlier, block
+    every signal themselves (`run_agent.py`)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, _run_signals(sandboxed))
+
+
 def _supervise(
     argv: list[str], sandboxed: bool, started: Callable[[int], Any] | None = None, **popen: Any
 ) -> int:
@@ -146,23 +217,55 @@ def _supervise(
     `started(pid)`: called once the child runs (the sandbox's network, `Sandbox.started`);
     what it returns is closed when the run ends; if it raises, the child is killed.
 
-    This process is the child subreaper of the tree, so whatever the agent
-    detaches (double fork, setsid) stays below it; SIGINT, SIGTERM, SIGHUP and
-    SIGWINCH are passed on (in a sandbox, to the agent's processes, not to bwrap;
-    a terminal's Ctrl-Z stops the run with this process, `fg` resumes both); when
-    the child exits, the rest of the tree is ended and reaped: nothing the
-    agent started outlives the registered run."""
+    This process is the child subreaper of the tree, so whatever the agent detaches
+    (double fork, setsid) stays below it; when the child exits, the rest of the tree is
+    ended and reaped: nothing the agent started outlives the registered run. It takes
+    the run's signals itself (`_hold_signals`; sigtimedwait), and reads who sent each:
+
+    - SIGTERM, SIGHUP, and a SIGINT a process sent (`kill -INT`) end the run: the signal
+      is passed on to every process of the run (then SIGCONT, so that a stopped one can
+      act on it: an agent that handles it may end cleanly), and END_GRACE later whatever
+      is left is SIGKILLed (`_kill_run`), stopped and traced processes and a stopped
+      bwrap included. `bastion run` then exits 128+N, as a shell reports a job that
+      signal N ended. A signal that comes before CMD has started ends the run there.
+    - a terminal's Ctrl-C (a SIGINT the kernel sent) is passed on and nothing more, as
+      a shell passes it to its foreground job: an interactive agent takes it as "stop
+      what you are doing", not as the end of the run. (Unsandboxed, the agent is in the
+      terminal's foreground group already and has it from the terminal itself.)
+    - SIGWINCH is passed on; in a sandbox, a terminal's Ctrl-Z stops the run with this
+      process, and `fg` resumes both."""
     import signal
     import subprocess
+    import time
 
+    waited = _run_signals(sandboxed)
+    ending = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    told = signal.sigpending() & set(ending)
+    if told:
+        info = signal.sigtimedwait(told, 0)
+        if info is not None:
+            name = signal.Signals(info.si_signo).name
+            click.echo(f"bastion: {name} before {argv[0]} started: nothing started", err=True)
+            return 128 + info.si_signo
     if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
         click.echo("bastion: cannot adopt the agent's detached processes (prctl)", err=True)
+    inner = popen.pop("preexec_fn", None)
+
+    def preexec() -> None:  # the agent gets the signal mask this process started with
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+        if inner is not None:
+            inner()
+
     try:
-        child = subprocess.Popen(argv, **popen)
+        child = subprocess.Popen(argv, preexec_fn=preexec, **popen)
     except (OSError, subprocess.SubprocessError) as exc:
         fail(f"cannot start {argv[0]}: {getattr(exc, 'strerror', None) or exc}", 127)
     held = None
     if started is not None:
+        # What it starts (slirp4netns) gets the usual mask too; a signal meanwhile ends
+        # this process as it would any (CMD waits for `started` to let it go).
+        int_handler = signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
         try:
             held = started(child.pid)
         except OSError as exc:
@@ -170,39 +273,88 @@ def _supervise(
             child.wait()
             _end_tree()
             fail(f"cannot sandbox the agent: {exc.strerror or exc}. Nothing was started.", 127)
-    reaped = False
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+            signal.signal(signal.SIGINT, int_handler)
+    status: int | None = None
 
-    def send(n: int) -> None:
-        if reaped:  # until then the pid is the child's (alive or a zombie)
+    def send(n: int, everyone: bool = False) -> None:
+        if status is not None:  # until then the pid is the child's (alive or a zombie)
             return
-        for pid in (_sandboxed(child.pid) if sandboxed else []) or [child.pid]:
+        if sandboxed:
+            pids = _sandboxed(child.pid) or [child.pid]
+        elif everyone:
+            pids = list(dict.fromkeys([child.pid, *_tree()]))
+        else:
+            pids = [child.pid]
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, n)
 
-    def forward(n: int, _frame: object) -> None:
-        send(n)
-
-    def suspend(_n: int, _frame: object) -> None:
-        # Ctrl-Z reaches this process only (the run has a session of its own): stop the
-        # run with it, so it does not read the terminal while the shell does; fg goes on.
-        send(signal.SIGSTOP)
-        os.kill(os.getpid(), signal.SIGSTOP)
-        send(signal.SIGCONT)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGWINCH):
-        signal.signal(sig, forward)
-    if sandboxed:
-        signal.signal(signal.SIGTSTP, suspend)
+    told_by: int | None = None  # the signal that ends the run
+    deadline = killed = 0.0
     while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == child.pid:
+        status = _reap(child.pid)
+        if status is not None:
             break
-    reaped = True
-    child.returncode = code = os.waitstatus_to_exitcode(status)
+        now = time.monotonic()
+        timeout: float | None = None
+        if told_by is not None:
+            if now >= deadline:
+                killed = killed or now
+                if now - killed > KILL_PATIENCE:
+                    click.echo(f"bastion: the run's bwrap ({child.pid}) would not die", err=True)
+                    break
+                _kill_run()
+                timeout = 0.05
+            else:
+                timeout = deadline - now
+        info = signal.sigtimedwait(waited, WAKE if timeout is None else timeout)
+        if info is None or info.si_signo == signal.SIGCHLD:
+            continue
+        n = info.si_signo
+        if n == signal.SIGWINCH:
+            send(n)
+        elif n == signal.SIGTSTP:
+            # Ctrl-Z reaches this process only (the run has a session of its own): stop the
+            # run with it, so it does not read the terminal while the shell does; fg goes on.
+            send(signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            send(signal.SIGCONT)
+        elif n == signal.SIGINT and info.si_code == SI_KERNEL and told_by is None:
+            if sandboxed or not _in_my_group(child.pid):
+                send(n)
+        else:
+            send(n, everyone=True)
+            send(signal.SIGCONT, everyone=True)
+            if told_by is None:
+                told_by, deadline = n, time.monotonic() + END_GRACE
+    if status is not None:
+        child.returncode = os.waitstatus_to_exitcode(status)
     if held is not None:
         held.close()
-    _end_tree()
+    _end_tree(TERM_GRACE if told_by is None else max(0.0, deadline - time.monotonic()))
+    if told_by is not None:
+        return 128 + told_by
+    code = child.returncode or 0
     return code if code >= 0 else 128 - code
+
+
+def _tree() -> list[int]:
+    """Every process below this one (an unsandboxed run's tree: it is their subreaper)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+    return []
+
+
+def _in_my_group(pid: int) -> bool:
+    """Is `pid` in this process's group (where a terminal's signal reached it too)?"""
+    try:
+        return os.getpgid(pid) == os.getpgrp()
+    except OSError:
+        return False
 
 
 def nested(env: Mapping[str, str]) -> dict[str, str]:
@@ -554,6 +706,7 @@ def _start(
     note: str = "",
 ) -> int:
     """Register, then start CMD in its sandbox (or without one) and supervise it."""
+    _hold_signals(box is not None)
     run_id = _register(socket_path, label, None if box is None else words)
     what = "unsandboxed" if box is None else "in its sandbox"
     who = f" as {iso.user} (uid {iso.uid})" if iso else ""
