@@ -437,6 +437,25 @@ def _isolation(home: Home) -> Isolation:
     return iso
 
 
+def _isolated_box(
+    box: sandbox_mod.Sandbox, iso: Isolation, command: tuple[str, ...]
+) -> sandbox_mod.Sandbox:
+    """The isolated run's sandbox as its bwrap (running as the agent user) can make it,
+    or fail, before anything registers, with why the agent user could not start CMD."""
+    import dataclasses
+
+    from bastion.sandbox import isolation
+
+    try:
+        why = isolation.command_refusal(iso, command, box.env.get("PATH", ""))
+        argv = isolation.reachable_plan(box.argv, iso)
+    except (OSError, isolation.IsolationError) as exc:
+        fail(f"cannot check what {iso.user} can reach: {exc}. Nothing was started.")
+    if why is not None:
+        fail(f"refusing to start {command[0]} as {iso.user}: {why}. Nothing was started.", 127)
+    return dataclasses.replace(box, argv=tuple(argv))
+
+
 def _isolated_harden() -> None:
     """In the isolated agent's bwrap, after the switch to its uid: SIGKILL if the run
     dies first (bwrap's --die-with-parent does the same one level down)."""
@@ -705,7 +724,10 @@ def _start(
     command: tuple[str, ...],
     note: str = "",
 ) -> int:
-    """Register, then start CMD in its sandbox (or without one) and supervise it."""
+    """Register, then start CMD in its sandbox (or without one) and supervise it. An
+    isolated CMD the agent user could not start is refused first: nothing registers."""
+    if box is not None and iso is not None:
+        box = _isolated_box(box, iso, command)
     _hold_signals(box is not None)
     run_id = _register(socket_path, label, None if box is None else words)
     what = "unsandboxed" if box is None else "in its sandbox"

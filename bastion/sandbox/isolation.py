@@ -13,6 +13,8 @@ agents as that user. This module is what those commands share:
   privileges (for `bastion status` and a non-root `isolate check`).
 - `guarantees`: the plain sentences that say which promises hold, given the
   mode and the checks. Pure.
+- `command_refusal`, `reachable_plan`: what `run --isolated` checks and shapes
+  before it registers: a CMD the agent user can start, a sandbox its bwrap can make.
 
 A check is True when things are as they must be: the agent is kept out of
 `home`, `vault`, `policies`, `journal`, `host_key`, `operator_socket` and
@@ -28,10 +30,11 @@ import grp
 import json
 import os
 import pwd
+import re
 import secrets
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,6 +329,174 @@ def probe(home: Home, iso: Isolation, gateway_pid: int | None = None) -> list[Ch
         if key not in checks or (checks[key].ok and got != want):
             checks[key] = Check(key, got == want, f"{kind} {path}: {got}")
     return [checks[k] for k in (*KEEP_OUT, *DOOR) if k in checks]
+
+
+# -- what `run --isolated` can start, and where its bwrap can mount ---------------------------
+
+# The programs that run their first argument as a script: `INTERPRETER FILE` needs FILE
+# readable by the agent user, or it starts and fails (126, 127) with no card to show.
+INTERPRETERS = re.compile(
+    r"(ba|da|z|k|mk|c|tc|fi)?sh|python[0-9.]*|pypy[0-9.]*|perl[0-9.]*|ruby[0-9.]*|"
+    r"node(js)?|bun|deno|php[0-9.]*|lua[0-9.]*|tclsh[0-9.]*|Rscript|expect|awk|gawk"
+)
+RUN_TMP = Path("/tmp")  # the run's own (a tmpfs): what the host keeps there is not inside
+
+
+def command_refusal(iso: Isolation, command: Sequence[str], path: str) -> str | None:
+    """Why the agent user could not start `command` in its run, as a sentence (None: it
+    can). CMD[0] must be a program it may run: a name is looked up on its PATH (`path`),
+    a path must be absolute (the agent starts in a home of its own); and when CMD is
+    `INTERPRETER FILE` with FILE an existing file, FILE must be one it may read. Each
+    path is tried as the agent user (uid, and its group only: root only), and the
+    sentence names the path and what stops it (the directory it cannot pass through,
+    or the file's mode). A path in the host's /tmp is refused as such: the run's /tmp
+    is its own."""
+    first = command[0]
+    script = None
+    if len(command) > 1 and INTERPRETERS.fullmatch(os.path.basename(first)):
+        arg = command[1]
+        if not arg.startswith("-") and os.path.isfile(arg):
+            script = arg
+    for k, given in enumerate((first, script)):
+        if given is None or (k == 0 and "/" not in given):
+            continue  # a name: looked up on the agent's PATH
+        if not os.path.isabs(given):
+            return (
+                f"{given} is a relative path, and the agent starts in a home of its own: "
+                f"give {os.path.abspath(given)}"
+            )
+        real = Path(os.path.realpath(given))
+        if real == RUN_TMP or real.is_relative_to(RUN_TMP):
+            return (
+                f"{given} is in {RUN_TMP}, and the run's {RUN_TMP} is its own: the agent would "
+                f"not find it; put it where {iso.user} can read it, outside {RUN_TMP}"
+            )
+    why = as_user(iso.uid, iso.gid, _start_refusal, first, script, path)
+    return None if why is None else f"{iso.user} {why}"
+
+
+def _start_refusal(first: str, script: str | None, path: str) -> str | None:
+    """As the agent user: what keeps it from running `first` (and reading `script`)."""
+    program = first
+    if "/" not in first:
+        found = [os.path.join(d, first) for d in path.split(":") if os.path.isabs(d)]
+        ready = [p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)]
+        if not ready:
+            return f"finds no program {first} on its PATH ({path}): give the program's path"
+        program = ready[0]
+    why = _stopped(program, os.X_OK)
+    if why is None and script is not None:
+        why = _stopped(script, os.R_OK)
+    return why
+
+
+def _stopped(path: str, want: int) -> str | None:
+    """As the agent user: what keeps it from running (os.X_OK) or reading (os.R_OK) path."""
+    for d in reversed(Path(path).parents):
+        if not os.access(d, os.X_OK):
+            return f"cannot reach {path}: it cannot pass through {d} ({_mode_of(d)})"
+    if not os.path.exists(path):
+        return f"cannot reach {path}: it does not exist"
+    if want == os.X_OK and not os.path.isfile(path):
+        return f"cannot run {path}: it is not a file"
+    if not os.access(path, want):
+        verb = "run" if want == os.X_OK else "read"
+        return f"cannot {verb} {path} ({_mode_of(Path(path))})"
+    with contextlib.suppress(OSError), open(path, "rb") as f:  # a script is read too
+        if want == os.X_OK and f.read(2) == b"#!" and not os.access(path, os.R_OK):
+            return f"cannot read the script {path} ({_mode_of(Path(path))})"
+    return None
+
+
+def _mode_of(path: Path) -> str:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return exc.strerror or "no answer"
+    who = []
+    for lookup, ident in ((pwd.getpwuid, st.st_uid), (grp.getgrgid, st.st_gid)):
+        try:
+            who.append(lookup(ident)[0])
+        except KeyError:
+            who.append(str(ident))
+    return f"{stat.filemode(st.st_mode)} {who[0]}:{who[1]}"
+
+
+# bwrap's options and how many arguments each takes (bubblewrap 0.8 to 0.11):
+# `reachable_plan` reads an argv through them, and leaves one with any other as it is.
+BWRAP_ARITY = {
+    **dict.fromkeys(
+        (
+            "--unshare-all", "--share-net", "--unshare-user", "--unshare-user-try",
+            "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup", "--unshare-cgroup-try", "--disable-userns",
+            "--assert-userns-disabled", "--clearenv", "--new-session", "--die-with-parent",
+            "--as-pid-1", "--level-prefix",
+        ),
+        0,
+    ),
+    **dict.fromkeys(
+        (
+            "--args", "--argv0", "--userns", "--userns2", "--pidns", "--uid", "--gid",
+            "--hostname", "--chdir", "--unsetenv", "--lock-file", "--sync-fd", "--remount-ro",
+            "--exec-label", "--file-label", "--proc", "--dev", "--tmpfs", "--mqueue", "--dir",
+            "--seccomp", "--add-seccomp-fd", "--block-fd", "--userns-block-fd", "--info-fd",
+            "--json-status-fd", "--cap-add", "--cap-drop", "--perms", "--size",
+            "--overlay-src", "--tmp-overlay", "--ro-overlay",
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        (
+            "--setenv", "--bind", "--bind-try", "--dev-bind", "--dev-bind-try", "--ro-bind",
+            "--ro-bind-try", "--file", "--bind-data", "--ro-bind-data", "--symlink", "--chmod",
+            "--bind-fd", "--ro-bind-fd",
+        ),
+        2,
+    ),
+    "--overlay": 3,
+}  # fmt: skip
+BWRAP_MODIFIERS = ("--perms", "--size")  # they apply to the option that follows
+
+
+def reachable_plan(argv: Sequence[str], iso: Isolation) -> list[str]:
+    """bwrap's argv less each hide (`--tmpfs D`, `--ro-bind /dev/null D`) whose D the
+    agent user cannot reach on the host: bwrap runs as that user, so it cannot make the
+    mount point there ("Can't mkdir parents", as for a bastion home under a 0700 home
+    directory), and it needs none: a path the agent user cannot reach outside, it cannot
+    reach inside either (the same directories and modes; the run has no capability
+    over them). Only a hide with no earlier option at a path above D is left out, so
+    that the host's view is the one that counts there; an argv with an option this
+    does not know is left as it is."""
+    ops: list[tuple[int, int]] = []  # (start, end) of each option with its arguments
+    i = 1
+    while i < len(argv) and argv[i] != "--":
+        n = BWRAP_ARITY.get(argv[i])
+        if n is None or i + n >= len(argv):
+            return list(argv)
+        ops.append((i, i + 1 + n))
+        i += 1 + n
+    hides: list[int] = []  # indexes into ops
+    above: list[str] = []  # every path an earlier option names (but /)
+    for k, (a, b) in enumerate(ops):
+        words = list(argv[a:b])
+        dest = words[-1]
+        hide = words[0] == "--tmpfs" or words[:2] == ["--ro-bind", "/dev/null"]
+        if hide and not any(Path(dest).is_relative_to(p) for p in above):
+            hides.append(k)
+        above += [w for w in words[1:] if w.startswith("/") and w != "/"]
+    if not hides:
+        return list(argv)
+    dests = [argv[ops[k][1] - 1] for k in hides]
+    got = as_user(iso.uid, iso.gid, _attempts, [("", "reach", d, "") for d in dests])
+    drop = {k for k, g in zip(hides, got, strict=True) if g == "denied"}
+    for k in list(drop):  # and the --perms or --size before it
+        j = k - 1
+        while j >= 0 and argv[ops[j][0]] in BWRAP_MODIFIERS:
+            drop.add(j)
+            j -= 1
+    kept = [w for k, (a, b) in enumerate(ops) if k not in drop for w in argv[a:b]]
+    return [argv[0], *kept, *argv[i:]]
 
 
 # -- the same, from file modes (no privileges needed) ----------------------------------------

@@ -13,7 +13,13 @@ with `setsid -f` stays below the run while it runs and is ended with it.
 The bastion lives under a fresh /tmp/bastion-iso-* directory (mode 0755), not
 under pytest's /tmp/pytest-of-root (0700): there the agent user could not
 reach the socket directory, and the home's own mode would protect nothing the
-checks could show.
+checks could show. One test puts a second bastion's home under a 0700 directory,
+as a 0700 home directory holds `~/.local/share/bastion`, with its socket directory
+beside it: `run --isolated` still works there.
+
+And a run ends when told: an isolated agent that ptrace-stops its own bwrap is ended
+by a SIGTERM of `bastion run` all the same; a CMD the agent user cannot reach (a
+script in a 0700 directory, or in the host's /tmp) is refused before it registers.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from bastion.cli.run import END_GRACE
 from bastion.sandbox import isolation
 from tests.harness import USER, Bastion, Terminal, make_bastion, policy_toml, remove_user, wait_for
 
@@ -399,3 +407,126 @@ def test_two_isolated_runs_share_a_uid_not_a_view(isolated: Isolated, tmp_path: 
     finally:
         _finish(run_a)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def _registered_runs(b: Bastion) -> int:
+    lines = b.cli("audit", "export").stdout.splitlines()
+    return sum(1 for line in lines if json.loads(line).get("type") == "run_registered")
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _namespace_init(run: subprocess.Popen[str]) -> int:
+    """bwrap's first process in the run's PID namespace (pid 1 there), seen from here."""
+    import psutil
+
+    for p in psutil.Process(run.pid).children(recursive=True):
+        for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:") and line.split()[1:][-1:] == ["1"]:
+                return p.pid
+    raise AssertionError("no namespace init below the run")
+
+
+# The agent stops its own bwrap (pid 1 of the run's namespace) with ptrace, which a signal
+# from inside cannot do to a namespace's init, and stays deaf to the signals that end a run.
+PTRACE_STOP = """
+import ctypes, signal, time
+for n in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(n, signal.SIG_IGN)
+libc = ctypes.CDLL(None, use_errno=True)
+seized = libc.ptrace(0x4206, 1, 0, 0)  # PTRACE_SEIZE
+stopped = libc.ptrace(0x4207, 1, 0, 0)  # PTRACE_INTERRUPT
+print("traced", seized, stopped, ctypes.get_errno(), flush=True)
+time.sleep(1006.5)
+"""
+
+
+def test_an_isolated_run_whose_bwrap_is_ptrace_stopped_still_ends(isolated: Isolated) -> None:
+    b = isolated.b
+    run = _cli(b, "run", "--isolated", "--", SYSTEM_PYTHON, "-c", PTRACE_STOP)
+    assert run.stdout is not None
+    try:
+        assert run.stdout.readline() == "traced 0 0 0\n"
+        init = _namespace_init(run)
+        wait_for(lambda: _state(init) == "t", timeout=30)  # bwrap is in a tracing stop
+        (agent,) = [p for p in _processes(SYSTEM_PYTHON, "-c", PTRACE_STOP) if _below(p, run.pid)]
+        # The control: so held, the run does not end by itself.
+        time.sleep(END_GRACE + 1)
+        assert run.poll() is None and _state(init) == "t"
+        sent = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(END_GRACE + 15) == 128 + signal.SIGTERM
+        assert time.monotonic() - sent >= END_GRACE - 0.5
+        assert not os.path.exists(f"/proc/{init}") and not os.path.exists(f"/proc/{agent}")
+    finally:
+        _finish(run)
+
+
+@pytest.fixture
+def private_home(
+    isolated: Isolated, sshd_server: Any, client_key: tuple[Path, str]
+) -> Iterator[Bastion]:
+    """A second bastion whose home is under a 0700 directory (the agent user cannot pass
+    through it), its socket directory beside it, set up for the same agent user."""
+    root = Path(tempfile.mkdtemp(prefix="bastion-iso-private-"))
+    root.chmod(0o755)
+    private = root / "private"
+    private.mkdir(mode=0o700)
+    b = make_bastion(private, sshd_server.info, client_key[0], start=False)
+    try:
+        b.cli("isolate", "setup", "--user", ISO_USER, "--socket-dir", str(root / "door"))
+        b.start_daemon()
+        b.unlock()
+        yield b
+    finally:
+        b.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_run_isolated_works_with_the_home_under_a_0700_directory(private_home: Bastion) -> None:
+    b = private_home
+    assert b.home.root.parent.stat().st_mode & 0o777 == 0o700
+    script = "ssh -F \"$BASTION_SSH_CONFIG\" web1 'echo via-private-home'"
+    run = _cli(b, "run", "--isolated", "--label", "private", "--", "sh", "-c", script)
+    try:
+        card = b.next_card()
+        assert card["subject"]["pid"] == run.pid, card
+        b.answer(card, True)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 0 and "via-private-home" in out.splitlines(), (out, err)
+    finally:
+        _finish(run)
+
+
+def test_run_isolated_refuses_a_script_the_agent_user_cannot_reach(isolated: Isolated) -> None:
+    b = isolated.b
+    root = Path(tempfile.mkdtemp(prefix="bastion-iso-scripts-"))
+    host_tmp = Path(tempfile.mkdtemp(prefix="bastion-iso-script-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        (root / "private").mkdir(mode=0o700)
+        (root / "open").mkdir(mode=0o755)
+        host_tmp.chmod(0o755)
+        for d in (root / "private", root / "open", host_tmp):
+            (d / "script.sh").write_text("echo script-ran\n")
+            (d / "script.sh").chmod(0o644)
+        before = _registered_runs(b)
+        hidden = root / "private" / "script.sh"
+        r = b.cli("run", "--isolated", "--", "bash", str(hidden), check=False)
+        assert r.returncode == 127 and "script-ran" not in r.stdout, r
+        assert f"refusing to start bash as {ISO_USER}: {ISO_USER} cannot reach {hidden}" in r.stderr
+        assert f"it cannot pass through {root / 'private'} (drwx------ root:root)" in r.stderr
+        r = b.cli("run", "--isolated", "--", "sh", str(host_tmp / "script.sh"), check=False)
+        assert r.returncode == 127 and f"{host_tmp}/script.sh is in /tmp" in r.stderr, r
+        r = b.cli("run", "--isolated", "--", "no-such-agent-program", check=False)
+        assert r.returncode == 127 and "finds no program no-such-agent-program" in r.stderr, r
+        assert _registered_runs(b) == before, "a refused run registered"
+        # The control: the same script where the agent user can read it runs.
+        r = b.cli("run", "--isolated", "--", "bash", str(root / "open" / "script.sh"))
+        assert r.stdout == "script-ran\n", r
+        assert _registered_runs(b) == before + 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(host_tmp, ignore_errors=True)
