@@ -333,9 +333,7 @@ def test_a_terminals_ctrl_c_is_passed_on_and_does_not_end_the_run(
     """An interactive agent takes Ctrl-C as "stop what you are doing": bastion run passes
     it on and keeps the run, past the grace; SIGTERM then ends it."""
     # What it prints is computed, so that the screen's echo of the command is not it.
-    script = (
-        "trap 'echo caught-$((1+1))' INT; echo ready-$((40+2)); while :; do sleep 0.1; done"
-    )
+    script = "trap 'echo caught-$((1+1))' INT; echo ready-$((40+2)); while :; do sleep 0.1; done"
     run = shlex.join(cli_argv(bastion.home.root, "run", "--", "sh", "-c", script))
     term = Terminal(["setsid", "--ctty", "bash", "--norc", "--noprofile", "-i"])
     try:
