@@ -469,14 +469,15 @@ def _prepare(
     iso: Isolation | None,
     keys: ThrowawayAgent | None = None,
     label: str = "",
-) -> tuple[sandbox_mod.Sandbox, str, str]:
-    """The run's sandbox, the word that names its project on the registration, and a
-    note for the operator once the run starts (why it has no project), or fail with the
-    reason and the fix: nothing has started. `keys`: the run's
+) -> tuple[sandbox_mod.Sandbox, Path | None, str]:
+    """The run's sandbox, its project (None: none given), and a note for the operator
+    once the run starts (why it has no project), or fail with the reason and the fix:
+    nothing has started. `keys`: the run's
     throwaway ssh agent, offered inside as SSH_AUTH_SOCK."""
     import dataclasses
 
-    word = note = ""
+    note = ""
+    door: Path | None = None
     if iso is None:
         layout = sandbox_mod.layout_of(home.root, agent_socket, os.environ)
         project = sandbox_mod.project_of(layout.cwd)
@@ -485,9 +486,8 @@ def _prepare(
             project, why = layout.cwd, sandbox_mod.door_refusal(layout.cwd, layout)
         if why is None:
             layout = dataclasses.replace(layout, project=project)
-            word = f"project {project}"
+            door = project
         else:
-            word = "project: none"
             note = (
                 f"bastion: the run's writes stay in its own home overlay: no project is "
                 f"given, since {why}. Start the run in the project's directory, or give "
@@ -513,7 +513,7 @@ def _prepare(
     if keys is not None:
         where["agent_auth"] = (keys.directory, keys.inside.parent)
     try:
-        return sandbox_mod.prepare(layout, env, given, **where), word, note
+        return sandbox_mod.prepare(layout, env, given, **where), door, note
     except sandbox_mod.Unavailable as exc:
         fail(f"cannot sandbox the agent: {exc.reason}. Fix: {exc.fix}. Nothing was started.")
     except ValueError as exc:
@@ -697,14 +697,19 @@ def run(
     keys = None if no_sandbox else _throwaway_agent(iso)
     try:
         box, project, note = (
-            (None, "", "") if no_sandbox else _prepare(home, socket_path, given, iso, keys, label)
+            (None, None, "") if no_sandbox else _prepare(home, socket_path, given, iso, keys, label)
         )
         if box is not None and iso is None:
-            words = [project, *words]
+            words = [f"project {project}" if project else "project: none", *words]
+        doors = [] if box is None or given.rw_git else [*([project] if project else []), *given.rw]
+        before = {d: sandbox_mod.git_before_run(d) for d in doors}
         code = _start(socket_path, label, words, box, iso, command, note)
     finally:
         if keys is not None:
             keys.close()
+    for d, state in before.items():
+        for said in sandbox_mod.git_after_run(d, state, f"run-{os.getpid()}"):
+            click.echo(f"bastion: {said}", err=True)
     sys.exit(code)
 
 

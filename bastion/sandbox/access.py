@@ -329,3 +329,43 @@ def check_given(given: Given, layout: Layout | None = None) -> None:
 
 
 NOTHING_GIVEN = Given()  # a run given nothing beyond the defaults
+
+# Names in a repository's git directory that would move git's configuration elsewhere if
+# a run created them (`commondir` names the directory whose `config` git then reads);
+# they cannot be bound read-only before they exist, so `git_after_run` deals with them.
+GIT_REDIRECTS = ("commondir",)
+
+
+def git_before_run(door: Path) -> dict[str, bool]:
+    """What `git_after_run` compares with: whether the door has a git directory, and
+    which of GIT_REDIRECTS it holds."""
+    dot = door / ".git"
+    found = {".git": dot.is_dir() and not dot.is_symlink()}
+    for name in GIT_REDIRECTS:
+        found[name] = os.path.lexists(dot / name)
+    return found
+
+
+def git_after_run(door: Path, before: dict[str, bool], run_id: str) -> list[str]:
+    """After the run: a redirect it created in the door's git directory is moved aside
+    (the repository as the operator left it), and a git directory it made where there was
+    none is named (its config and hooks are the run's). One sentence each, for the
+    operator."""
+    dot = door / ".git"
+    said: list[str] = []
+    if not before.get(".git") and dot.is_dir() and not dot.is_symlink():
+        said.append(
+            f"the run made a git repository at {dot}: its config and hooks are the run's "
+            "(git runs code from them); read them before you run git there"
+        )
+        return said
+    for name in GIT_REDIRECTS:
+        p = dot / name
+        if not before.get(name) and os.path.lexists(p):
+            aside = p.with_name(f"{name}.made-by-{run_id}")
+            try:
+                os.rename(p, aside)
+                said.append(f"the run made {p} (it would move git's config): moved to {aside}")
+            except OSError as exc:
+                said.append(f"the run made {p} (it would move git's config); remove it ({exc})")
+    return said

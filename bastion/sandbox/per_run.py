@@ -59,6 +59,7 @@ from bastion.core.errors import BastionError
 from bastion.sandbox import layer as layer_mod
 from bastion.sandbox.access import (
     GIT_CODE,
+    GIT_REDIRECTS,
     HIDDEN,
     NOTHING_GIVEN,
     PERSISTENT,
@@ -69,6 +70,8 @@ from bastion.sandbox.access import (
     Layout,
     check_given,
     door_refusal,
+    git_after_run,
+    git_before_run,
     hidden_paths,
     installation,
     is_private_key,
@@ -159,17 +162,20 @@ def namespaces(root: bool) -> tuple[str, ...]:
 
 def _git_code(door: Path) -> list[str]:
     """bwrap's binds that keep what git runs code from read-only in a door: its
-    repository's config, hooks, info, modules and worktrees (created empty where
-    missing, so that a run cannot create them), or a `.git` file's pointer."""
+    repository's config, hooks, info, modules and worktrees (hooks, info and modules
+    created empty where missing, so that a run cannot create them), or a `.git` file's
+    pointer. A `commondir` the run creates is `access.git_after_run`'s."""
     dot = door / ".git"
     if dot.is_file() and not dot.is_symlink():
         return ["--ro-bind", str(dot), str(dot)]
     if not dot.is_dir() or dot.is_symlink():
         return []
-    out: list[str] = []
+    # `.git` itself a mount point: it cannot be renamed away and rebuilt with a config of
+    # the run's (the mounts inside would move with it).
+    out: list[str] = ["--bind", str(dot), str(dot)]
     for name in GIT_CODE:
         p = dot / name
-        if name in ("hooks", "info") and not p.exists():
+        if name in ("hooks", "info", "modules") and not p.exists():
             with contextlib.suppress(OSError):
                 p.mkdir()
         if p.exists() and not p.is_symlink():
@@ -581,6 +587,7 @@ def _try(bwrap_path: str | None) -> Machine:
 
 __all__ = [  # the access model's names, used here and named by the room's face
     "GIT_CODE",
+    "GIT_REDIRECTS",
     "HIDDEN",
     "PERSISTENT",
     "PRIVATE_KEY_MARKS",
@@ -590,6 +597,8 @@ __all__ = [  # the access model's names, used here and named by the room's face
     "Layout",
     "check_given",
     "door_refusal",
+    "git_after_run",
+    "git_before_run",
     "hidden_paths",
     "installation",
     "is_private_key",

@@ -169,6 +169,20 @@ def test_the_projects_git_code_is_read_only_and_commit_still_works(
     assert not (git / "hooks" / "pre-commit").exists()
     log = ok(op.sh("git log --oneline", cwd=project)).stdout
     assert "first" in log  # the commit reached the real repository
+    # Renaming .git away and rebuilding it (the mounts would move with it) is refused;
+    # a `commondir` (git would read its config from there) made by the run is moved aside.
+    evil = project / "evil"
+    r = op.run(
+        "(mv .git .git.old 2>&1 || echo RENAME-REFUSED) && mkdir -p evil && "
+        "printf '[core]\\n\\tfsmonitor = touch /tmp/M\\n' > evil/config && "
+        "echo ../evil > .git/commondir",
+        cwd=project,
+    )
+    ok(r)
+    assert "RENAME-REFUSED" in r.stdout and (git / "config").read_text() == config
+    assert not (git / "commondir").exists() and "commondir" in r.stderr, r.stderr
+    assert "fsmonitor" not in ok(op.sh("git config --list", cwd=project)).stdout
+    assert evil.is_dir()
     # Control: --rw-git lets the same run change them, on the disk.
     ok(
         op.run(
