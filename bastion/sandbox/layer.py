@@ -45,6 +45,7 @@ CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+PR_SET_DUMPABLE = 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 SLIRP4NETNS = "slirp4netns"
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's resolver, forwarding to the host's
@@ -83,6 +84,9 @@ class Layer:
                 raise LayerError(errno, f"{step}: {os.strerror(errno)}")
 
         uid, gid = os.geteuid(), os.getegid()
+        # After a change of uid (an isolated agent's bwrap) the process is not dumpable,
+        # and its /proc/self files are root's: it could not write its own maps.
+        check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
         flags = CLONE_NEWNS | (CLONE_NEWNET if self.own_net else 0)
         if not self.root:
             flags |= CLONE_NEWUSER

@@ -380,7 +380,8 @@ def test_two_isolated_runs_share_a_uid_not_a_view(isolated: Isolated, tmp_path: 
     shared.chmod(0o1777)
     cp, ready, marker = shared / "cm", shared / "ready", shared / "b-ran"
     script_a = PAIR_A.format(cp=cp, ready=ready)
-    run_a = _cli(b, "run", "--isolated", "--label", "pair-a", "--", "sh", "-c", script_a)
+    given = ("--rw", str(shared))  # the directory both runs are given: a run writes only there
+    run_a = _cli(b, "run", "--isolated", "--label", "pair-a", *given, "--", "sh", "-c", script_a)
     try:
         card = b.next_card()
         assert card["subject"]["pid"] == run_a.pid and card["subject"]["sandboxed"] is True
@@ -392,7 +393,9 @@ def test_two_isolated_runs_share_a_uid_not_a_view(isolated: Isolated, tmp_path: 
         # The controls, from outside: root sees A's shell and reads its private /tmp.
         assert Path(f"/proc/{a_sh}/root/tmp/a-secret").read_text() == "a-secret\n"
         script_b = PAIR_B.format(a_pid=a_sh, cp=cp, marker=marker)
-        run_b = _cli(b, "run", "--isolated", "--label", "pair-b", "--", "sh", "-c", script_b)
+        run_b = _cli(
+            b, "run", "--isolated", "--label", "pair-b", *given, "--", "sh", "-c", script_b
+        )
         out, err = run_b.communicate(timeout=120)
         lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
         assert lines["see"] == "no" and lines["signal"] == "refused", out
