@@ -13,6 +13,7 @@ refused with ControlMaster words.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +165,8 @@ def test_a_later_channel_of_a_client_that_listens_is_refused(
     assert ok.exists()
 
     marker = tmp_path / "relayed"
-    listen = str(tmp_path / "relay.sock") if kind == "unix" else "tcp"
+    # In the run's own /tmp: the rest of the system is read-only in a run.
+    listen = f"/tmp/relay-{os.getpid()}.sock" if kind == "unix" else "tcp"
     rid = start(
         in_run.agent, tmp_path, PARAMIKO, *files, "web1", "echo 1", f"touch {marker}",
         LISTEN=listen,
