@@ -367,6 +367,27 @@ def test_pip_install_user_goes_into_the_overlay_and_keep_home_keeps_it(
     assert not any(user_site.rglob("tinypkg*"))
 
 
+def test_npm_install_goes_into_the_overlay(op: Operator, project: Path) -> None:
+    """A global install and npm's cache land in the run's home; the project's own
+    node_modules, in the door, on the disk. Offline: a package of the project's."""
+    import shutil
+
+    if not shutil.which("npm"):
+        pytest.skip("npm is not installed")
+    op.write(project / "tinynpm" / "package.json", '{"name": "tinynpm", "version": "1.0.0"}\n')
+    op.write(project / "tinynpm" / "index.js", "module.exports = 'npm-installed';\n")
+    flags = "--offline --no-audit --no-fund --loglevel=error"
+    script = (
+        f"npm install -g --prefix ~/.npm-global {flags} ./tinynpm && "
+        f"npm install {flags} ./tinynpm && "
+        "ls ~/.npm-global/lib/node_modules && node -e \"console.log(require('tinynpm'))\""
+    )
+    r = ok(op.run(script, cwd=project))
+    assert "tinynpm" in r.stdout and "npm-installed" in r.stdout
+    assert not (op.home / ".npm-global").exists() and not (op.home / ".npm").exists()
+    assert (project / "node_modules" / "tinynpm").exists()  # the project's, on the disk
+
+
 # -- ssh through bastion from a default run ----------------------------------------------
 
 
