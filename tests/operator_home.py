@@ -103,17 +103,12 @@ class Operator:
             "--inh-caps=-all", "--bounding-set=-all", "--", *argv,
         ]  # fmt: skip
 
-    def sh(
-        self,
-        script: str,
-        *,
-        cwd: Path | None = None,
-        stdin: str | None = None,
-        timeout: float = 120,
+    def call(
+        self, *argv: str, cwd: Path | None = None, stdin: str | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        """A shell script as this operator, outside every run (the positive controls)."""
+        """argv as this operator, in its environment, from `cwd` (default: its home)."""
         return subprocess.run(
-            self.argv("/bin/sh", "-c", script),
+            self.argv(*argv),
             env=self.env(),
             cwd=cwd or self.home,
             input=stdin,
@@ -122,6 +117,12 @@ class Operator:
             text=True,
             timeout=timeout,
         )
+
+    def sh(
+        self, script: str, *, cwd: Path | None = None, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """A shell script as this operator, outside every run (the positive controls)."""
+        return self.call("/bin/sh", "-c", script, cwd=cwd, stdin=stdin)
 
     def cli(self, *args: str) -> list[str]:
         return [str(self.python), "-m", "bastion.cli", *args]
@@ -129,16 +130,7 @@ class Operator:
     def bastion(
         self, *args: str, stdin: str | None = None, cwd: Path | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.argv(*self.cli(*args)),
-            env=self.env(),
-            cwd=cwd or self.home,
-            input=stdin,
-            stdin=None if stdin is not None else subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return self.call(*self.cli(*args), cwd=cwd, stdin=stdin, timeout=timeout)
 
     def run(
         self, script: str, *run_args: str, cwd: Path | None = None, timeout: float = 120
