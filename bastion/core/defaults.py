@@ -18,6 +18,19 @@ MAX_PENDING_CARDS_PER_TENANT = 32  # cards waiting for an operator
 MAX_CONNECTIONS_PER_TENANT = 256  # agent connections open (a descriptor each)
 MAX_AGENT_CONNECTIONS = 4096  # agent connections open, every tenant together
 MAX_RUNS_PER_UID = 256  # live registered runs (a pidfd watch each); runs do not nest
+# The browser console's TCP door (gateway/console_door.py). A peer is the process that
+# holds the other end of a connection (a browser's network process holds all of its
+# connections; Chromium opens at most 6 per host).
+CONSOLE_CONNECTIONS_PER_PEER = 32  # console connections one peer process holds open
+CONSOLE_CONNECTIONS = 256  # console connections open, every peer together (at most)
+CONSOLE_IDENTIFYING = 16  # connections waiting for their peer to be found; past it, closed
+CONSOLE_IDLE = 60  # seconds a console connection may sit idle (bastion.toml [console])
+# Descriptors (gateway/descriptors.py): the operator socket's reserve, and what the
+# gateway keeps for its own files, watches and outbound connections; the agent socket
+# and the console share what is left of RLIMIT_NOFILE, so they stop well before it.
+RESERVE_SLOTS = 4  # operator connections that can be served with no descriptor left
+RESERVE_PER_SLOT = 4  # descriptors each: the connection's own, and what its request opens
+KEPT_DESCRIPTORS = 64  # for the gateway's own use, beyond the doors and the reserve
 REQUESTS_REMEMBERED = 65536  # requests whose state the agent socket's `request` answers
 MAX_INFLIGHT = 128  # commands dispatched at once; past it they queue (bastion.toml [limits])
 QUEUE_WAIT = 30.0  # seconds a command may queue for a slot before GATEWAY_BUSY

@@ -38,8 +38,9 @@ a short pause, a failure inside one connection ends that connection only, and
 every connection is accounted for (`connection_opened` and `connection_closed`
 exactly once each). Each tenant (a registered run, or a uid outside every run:
 `tenants.py`) holds at most `MAX_CONNECTIONS_PER_TENANT` connections, all of
-them together `MAX_AGENT_CONNECTIONS`, counted from accept to close: before the
-header, before the identity walk, whatever the connection turns out to be.
+them together `MAX_AGENT_CONNECTIONS` or what the descriptor limit leaves the agent
+socket (`descriptors.budget`), counted from accept to close: before the header,
+before the identity walk, whatever the connection turns out to be.
 `health()` says how it is going, for `bastion status`.
 """
 
@@ -67,6 +68,7 @@ from bastion.core.gate import ONE_COMMAND, Channel, Request, gateway_failed
 from bastion.core.refusals import TURNED, Turned
 from bastion.core.subject import Peer, SubjectKind
 from bastion.core.waiting import WAIT_LINE_ENV
+from bastion.gateway import descriptors
 from bastion.gateway.admission import NoSlot
 from bastion.gateway.agent_channel import AgentChannel, SubsystemProcess, forwarding_refused
 from bastion.gateway.mux import MuxView
@@ -83,6 +85,7 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT = 5.0
 OVER_CAP_WAIT = 1.0  # seconds to wait for the header of a connection refused by the cap
 OVER_CAP_PATIENCE = 8  # refusals per tenant that wait for it at once; later ones do not
+OVER_CAP_WAITING = 64  # ... and of every tenant together (each holds a descriptor)
 MAX_CONVERSATION = 256
 MAX_REQUEST_PACKET = 2 * 1024 * 1024 + 4096  # Linux caps all of argv at about 2 MiB
 LOCAL_CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]
@@ -187,7 +190,8 @@ class AgentListener:
         self.sock = sock
         self.doors = doors
         self.tenants = tenants
-        self.caps = caps or Caps()
+        # All agents together hold what the descriptor limit leaves them (`descriptors`).
+        self.caps = caps or Caps(ceiling=descriptors.budget().agent)
         self._refusing: Counter[Tenant] = Counter()  # over-cap connections being answered
         self._health = ListenerHealth("agent")
         self._tasks: set[asyncio.Task[None]] = set()
@@ -228,6 +232,7 @@ class AgentListener:
         self._health.serving = True
         try:
             while True:
+                await descriptors.settled()  # the operator's request first
                 try:
                     conn_sock, _ = await loop.sock_accept(self.sock)
                 except Exception as exc:
@@ -280,7 +285,8 @@ class AgentListener:
         per tenant wait so: past those, a flood is answered at once."""
         self._refusing[tenant] += 1
         try:
-            if self._refusing[tenant] <= OVER_CAP_PATIENCE:
+            waiting = sum(self._refusing.values())
+            if self._refusing[tenant] <= OVER_CAP_PATIENCE and waiting <= OVER_CAP_WAITING:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(
                         _read_header(asyncio.get_running_loop(), sock), OVER_CAP_WAIT

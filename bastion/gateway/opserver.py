@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion.core import opguard
+from bastion.gateway import descriptors
 from bastion.identity import descends_from, peer_credentials
 from bastion.identity.procs import in_other_namespaces
 from bastion.ops.opsock import MAX_LINE, OperatorError, loads_line
@@ -126,7 +127,7 @@ def observe(sock: socket.socket, agent_processes: set[tuple[int, float]]) -> opg
 class OperatorServer:
     """The listening operator socket (asyncio's server) and its health."""
 
-    def __init__(self, server: asyncio.AbstractServer, health: ListenerHealth) -> None:
+    def __init__(self, server: descriptors.UnixServer, health: ListenerHealth) -> None:
         self.server = server
         self._health = health
         self._loop = asyncio.get_running_loop()
@@ -136,7 +137,7 @@ class OperatorServer:
 
     def health(self) -> dict[str, Any]:
         self._health.serving = self.server.is_serving()
-        return self._health.as_json()
+        return {**self._health.as_json(), "reserve": descriptors.reserve_status()}
 
     def close(self) -> None:
         self.server.close()
@@ -194,7 +195,9 @@ async def serve(
         path.unlink()
     old = os.umask(0o177)
     try:
-        server = await asyncio.start_unix_server(client, path=str(path), limit=MAX_LINE)
+        # Its own accept loop, with a reserve of descriptors (`descriptors.py`): an EMFILE
+        # there is served, where asyncio's (libuv's) server would reset the connection.
+        server = await descriptors.serve_unix(path, client, MAX_LINE, health)
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
