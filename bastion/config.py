@@ -39,6 +39,7 @@ run without a witness the operator asked for. A missing file means defaults
     enabled = false          # off unless true: served on loopback only
     port = 7433              # http://localhost:PORT/ (the WebAuthn rpId is "localhost")
     session_minutes = 720    # a console login lasts this long (or until the vault locks)
+    idle_seconds = 60        # a connection that sends no request for this long is closed
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bastion.core.defaults import MAX_INFLIGHT, QUEUE_WAIT
+from bastion.core.defaults import CONSOLE_IDLE, MAX_INFLIGHT, QUEUE_WAIT
 from bastion.core.errors import BastionError
 
 WITNESS_KEYS = ("file", "syslog", "every", "buffer_max", "when_full")
@@ -57,7 +58,7 @@ EXPORT_KEYS = ("with_commands",)
 LIMITS_KEYS = ("inflight", "queue_wait")
 CA_KEYS = ("backend", "address", "mount", "role", "approle_mount", "tls_ca", "timeout")
 CA_BACKENDS = ("vault", "openbao")
-CONSOLE_KEYS = ("enabled", "port", "session_minutes")
+CONSOLE_KEYS = ("enabled", "port", "session_minutes", "idle_seconds")
 CONSOLE_PORT = 7433
 WHEN_FULL = ("continue", "refuse")
 
@@ -116,6 +117,7 @@ class ConsoleConfig:
     enabled: bool = False
     port: int = CONSOLE_PORT
     session_minutes: int = 720
+    idle_seconds: int = CONSOLE_IDLE  # before an idle connection is closed
 
     @property
     def approve_where(self) -> str:
@@ -228,7 +230,10 @@ def _console(raw: object, source: str) -> ConsoleConfig:
     minutes = raw.get("session_minutes", 720)
     if type(minutes) is not int or not 1 <= minutes <= 10080:
         raise ConfigError(f'{where}: "session_minutes" must be a whole number, 1 to 10080')
-    return ConsoleConfig(enabled, port, minutes)
+    idle = raw.get("idle_seconds", CONSOLE_IDLE)
+    if type(idle) is not int or not 1 <= idle <= 3600:
+        raise ConfigError(f'{where}: "idle_seconds" must be a whole number, 1 to 3600')
+    return ConsoleConfig(enabled, port, minutes, idle)
 
 
 def _ca(raw: object, source: str) -> CaConfig:

@@ -239,6 +239,20 @@ def status(ctx: click.Context, as_json: bool) -> None:
         last = f", last: {h['last_error']}" if h.get("last_error") else ""
         return f"{state}, {h.get('connections', 0)} connection(s), {errors} error(s){last}"
 
+    def console_line(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "off"
+        if not c.get("started"):
+            retry = c.get("retry_seconds") or 5
+            return f"not started: {c.get('error')} (trying again every {retry:g} s)"
+        refused = {k: n for k, n in (c.get("refused") or {}).items() if n}
+        said = ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in refused.items())
+        return (
+            f"{c.get('url')} serving, {c.get('connections', 0)} connection(s), "
+            f"{c.get('streams', 0)} stream(s), refused {sum(refused.values())}"
+            + (f" ({said})" if said else "")
+        )
+
     def human(s: dict[str, Any]) -> str:
         policy = "ok" if s["policy"]["ok"] else f"UNAVAILABLE: {s['policy']['error']}"
         listeners = s.get("listeners") or {}
@@ -258,6 +272,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             ),
             f"agents:    {listener(listeners.get('agent'))}",
             f"operator:  {listener(listeners.get('operator'))}",
+            f"console:   {console_line(s.get('console'))}",
             f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
             *load_lines(s.get("load")),
             f"boot:      {s['boot_id']}",

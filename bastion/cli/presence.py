@@ -156,6 +156,8 @@ def console(ctx: click.Context, no_open: bool) -> None:
     """Print the console's URL and open it: cards (and presence-signed approvals),
     sessions, activity, lock and revoke, in a browser on this machine."""
     got = op(ctx, "console", timeout=10)
+    if not got["enabled"] and got.get("error"):
+        fail(f"the console did not start: {got['error']}; the gateway tries again every 5 s")
     if not got["enabled"]:
         fail(
             "the console is off: add [console] with enabled = true to bastion.toml "

@@ -9,6 +9,11 @@ person present.
 
 What it trusts, and why each check is here:
 
+* Only a peer outside every run: before any HTTP is read, `console_door` finds
+  the process at the other end of the TCP connection and refuses one inside a
+  `bastion run` (or a sandbox, or an agent's tree) or one it cannot find, as the
+  operator socket refuses such a peer; each peer holds a few connections, idle
+  ones are closed, and a taken port leaves the gateway running without a console.
 * Only `localhost:PORT` in the Host header (a DNS-rebinding page names its own
   host), and only the console's own origin in every state-changing request's
   Origin header (another loopback port is another origin).
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import secrets
@@ -54,7 +58,9 @@ from bastion.core.presence import (
     login_challenge,
     unb64url,
 )
+from bastion.gateway import descriptors
 from bastion.gateway.approvals import CardError
+from bastion.gateway.console_door import RETRY, ConsoleDoor
 from bastion.gateway.control import Control, GatewayView, grant_arg
 from bastion.gateway.signers import Signers, SignersError
 from bastion.ops.opsock import OperatorError
@@ -160,6 +166,7 @@ class Console:
         self._version = 0  # of what a snapshot shows; `_wake` moves it
         self._snapshot: tuple[int, bytes] | None = None
         self._runner: web.AppRunner | None = None
+        self._door: ConsoleDoor | None = None
         self._closing = False
         self.streams = 0  # open event streams (tabs), for status and the bench
 
@@ -187,19 +194,29 @@ class Console:
         r.add_post("/api/enroll/register", self._enroll_register)
         return app
 
+    @property
+    def serving(self) -> bool:
+        return self._door is not None and self._door.serving
+
     async def start(self) -> None:
+        """Serve through `console_door`: both loopback addresses, who is at the other
+        end, how many each may hold; aiohttp's keep-alive timer closes idle connections.
+        If the port is taken, the gateway goes on without its console (`status` says
+        why) and the door tries again until it is free."""
         self._runner = web.AppRunner(
-            self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN
+            self.app(),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN,
+            keepalive_timeout=self.config.idle_seconds,
         )
         await self._runner.setup()
-        # Both loopback addresses: a browser may try either for `localhost`, and one left
-        # free could be taken by another process serving a page at this very origin.
-        await web.TCPSite(self._runner, "127.0.0.1", self.config.port).start()
-        try:
-            await web.TCPSite(self._runner, "::1", self.config.port).start()
-        except OSError as exc:  # no IPv6 loopback here: then nobody can listen on it
-            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                raise
+        assert self._runner.server is not None
+        budget = descriptors.budget().console
+        self._door = ConsoleDoor(self._runner.server, self.gw.agent_processes, budget)
+        self._door.start(self.config.port, self._started)
+
+    def _started(self) -> None:
         self.gw.recorder.sinks.append(self._sink)
         self.gw.recorder.record(
             EventType.CONSOLE_STARTED, {"origin": self.origin, "rp_id": self.signers.rp_id}
@@ -211,8 +228,25 @@ class Console:
             self.gw.recorder.sinks.remove(self._sink)
         self._closing = True
         self._wake()  # every stream sees the end, and ends
+        if self._door is not None:
+            await self._door.close()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    def status(self) -> dict[str, Any]:
+        """For `bastion status`: served or not (and why), its connections and refusals."""
+        door = self._door
+        if door is None or not door.serving:
+            failure = door.failure if door is not None else "not started yet"
+            return {"started": False, "url": None, "error": failure, "retry_seconds": RETRY}
+        return {
+            "started": True,
+            "url": f"{self.origin}/",
+            "error": None,
+            "streams": self.streams,
+            "idle_seconds": self.config.idle_seconds,
+            **door.status(),
+        }
 
     def _sink(self, record: Any, _event: dict[str, Any]) -> None:
         """Told of every record on disk: a set lookup on its type, nothing more, since a
@@ -403,6 +437,13 @@ class Console:
         for key, value in SECURITY_HEADERS.items():
             response.headers.setdefault(key, value)
         await response.prepare(request)
+        idle = self.config.idle_seconds
+
+        async def write(data: bytes) -> None:
+            """A write that must drain within the idle time: a stream is not idle while
+            it sends, and one whose reader stopped is."""
+            await asyncio.wait_for(response.write(data), idle)
+
         self.streams += 1
         sent, told, owed = -1, 0.0, False  # snapshot version sent; activity told, owed
         try:
@@ -410,11 +451,11 @@ class Console:
                 if sent != self._version:
                     sent = self._version
                     data = await self._snapshot_json()
-                    await response.write(b"event: snapshot\ndata: " + data + b"\n\n")
+                    await write(b"event: snapshot\ndata: " + data + b"\n\n")
                 now = time.monotonic()
                 if owed and now - told >= ACTIVITY_EVERY:
                     owed, told = False, now
-                    await response.write(b"event: activity\ndata: {}\n\n")
+                    await write(b"event: activity\ndata: {}\n\n")
                 changed, activity = self._changed, self._activity
                 waits = [asyncio.ensure_future(changed.wait())]
                 if not owed:
@@ -428,7 +469,10 @@ class Console:
                 owed = owed or activity.is_set()
                 self._login(request, changing=False)  # a lock ends the stream's login too
                 if not done and not owed:
-                    await response.write(b": ping\n\n")
+                    await write(b": ping\n\n")
+        except TimeoutError:  # a reader that stopped reading: the stream is idle, not sending
+            if request.transport is not None:
+                request.transport.abort()
         except (ConsoleError, ConnectionResetError, asyncio.CancelledError):
             pass
         finally:

@@ -136,6 +136,8 @@ class GatewayView(Protocol):
 
     def keys_held(self) -> dict[str, int]: ...
 
+    def agent_processes(self) -> set[tuple[int, float]]: ...
+
     def home_status(self) -> dict[str, Any]: ...
 
     def shown(self, text: str) -> str: ...
@@ -355,8 +357,9 @@ class Control:
     # -- presence: the console and the enrolled signers --------------------------------
 
     async def console(self, _: dict[str, Any]) -> dict[str, Any]:
-        url = self.gw.console_url
-        return {"enabled": url is not None, "url": url}
+        """Its URL; or, when bastion.toml asks for it but it did not start, why."""
+        url, status = self.gw.console_url, self.gw.console_status()
+        return {"enabled": url is not None, "url": url, "error": (status or {}).get("error")}
 
     async def operator_list(self, _: dict[str, Any]) -> list[dict[str, Any]]:
         if self.gw.vault.locked:
@@ -372,6 +375,9 @@ class Control:
     async def operator_enroll(self, args: dict[str, Any]) -> dict[str, Any]:
         """Begin an enrolment: the passphrase, then a one-time URL for the browser."""
         url = self.gw.console_url
+        failure = (self.gw.console_status() or {}).get("error")
+        if url is None and failure:
+            raise OperatorError(f"the console did not start: {failure}; enroll once it has")
         if url is None:
             raise OperatorError(
                 "the console is off: set [console] enabled = true in bastion.toml and "

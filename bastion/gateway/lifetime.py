@@ -254,13 +254,13 @@ class Gateway:
 
     @property
     def console_url(self) -> str | None:
-        """The console's page (with its slash), or None when bastion.toml keeps it off."""
-        return f"{self.config.console.origin}/" if self.console is not None else None
+        """The console's page (with its slash), or None when bastion.toml keeps it off
+        or it could not start (its port taken: `console_status` says why)."""
+        console = self.console
+        return f"{self.config.console.origin}/" if console and console.serving else None
 
     def console_status(self) -> dict[str, Any] | None:
-        if self.console is None:
-            return None
-        return {"url": self.console_url, "streams": self.console.streams}
+        return self.console.status() if self.console is not None else None
 
     def listeners_health(self) -> dict[str, Any]:
         """The agent and operator sockets' health, for `bastion status`."""
