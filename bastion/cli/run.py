@@ -105,10 +105,12 @@ def _reap(watch: int | None = None) -> int | None:
             got = status
 
 
-def _end_tree(grace: float = TERM_GRACE) -> None:
+def _end_tree(grace: float = TERM_GRACE, killed: frozenset[int] = frozenset()) -> None:
     """SIGTERM (and SIGCONT, so that a stopped process can act on it), then SIGKILL
     after `grace`, whatever is left below this process (the subreaper: detached
-    processes were reparented here), and reap it."""
+    processes were reparented here), and reap it. `killed`: processes already sent
+    SIGKILL, not waited for (slirp4netns takes some 20 ms to die, tearing its tap
+    device down: its zombie is reaped by whoever inherits it)."""
     import signal
     import time
 
@@ -120,7 +122,7 @@ def _end_tree(grace: float = TERM_GRACE) -> None:
     while True:
         _reap()
         try:
-            left = me.children(recursive=True)
+            left = [p for p in me.children(recursive=True) if p.pid not in killed]
         except psutil.Error:
             left = []
         if not left:
@@ -331,9 +333,10 @@ def _supervise(
                 told_by, deadline = n, time.monotonic() + END_GRACE
     if status is not None:
         child.returncode = os.waitstatus_to_exitcode(status)
+    killed: frozenset[int] = frozenset()
     if held is not None:
-        held.close()
-    _end_tree(TERM_GRACE if told_by is None else max(0.0, deadline - time.monotonic()))
+        killed = frozenset({held.close()})
+    _end_tree(TERM_GRACE if told_by is None else max(0.0, deadline - time.monotonic()), killed)
     if told_by is not None:
         return 128 + told_by
     code = child.returncode or 0
