@@ -32,7 +32,6 @@ run's master, seen by a gateway that is not root, is unseen (None).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import struct
@@ -43,13 +42,9 @@ from bastion.core.subject import Peer
 from bastion.identity import children, netns
 
 NETLINK_SOCK_DIAG = 4
-SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST = 0x1
-NLMSG_ERROR = 2
 UDIAG_SHOW_PEER = 0x4
 UNIX_DIAG_PEER = 2
 TCP_LISTEN = 10
-_NLMSG = struct.Struct("=IHHII")
 _REQ = struct.Struct("=BBHIIIII")  # unix_diag_req
 _MSG = struct.Struct("=BBBBIII")  # unix_diag_msg
 _ATTR = struct.Struct("=HH")
@@ -113,20 +108,8 @@ class Sockets:
     def _ask(nl: socket.socket, inode: int) -> UnixSocket | None:
         cookie = 0xFFFFFFFF  # INET_DIAG_NOCOOKIE: any socket with this inode
         req = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, inode, UDIAG_SHOW_PEER, cookie, cookie)
-        head = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
-        nl.sendall(head + req)
-        data = nl.recv(1 << 16)
-        if len(data) < _NLMSG.size:
-            raise OSError("sock_diag: a short answer")
-        length, kind, _, _, _ = _NLMSG.unpack_from(data, 0)
-        if kind == NLMSG_ERROR:
-            (err,) = struct.unpack_from("=i", data, _NLMSG.size)
-            if -err == errno.ENOENT:
-                return None
-            raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
-        if kind != SOCK_DIAG_BY_FAMILY or length > len(data):
-            raise OSError("sock_diag: an unexpected answer")
-        return _parse(data[_NLMSG.size : length])
+        body = netns.sock_diag(nl, req)
+        return None if body is None else _parse(body)
 
 
 def _parse(body: bytes) -> UnixSocket:

@@ -23,14 +23,21 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import socket
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
 NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1), linux/nsfs.h
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST = 0x1
+NLMSG_ERROR = 2
+_NLMSG = struct.Struct("=IHHII")
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 KEPT = 64  # namespaces whose socket is kept
@@ -115,3 +122,24 @@ def _made_in(pid: int, family: int, kind: int, proto: int) -> socket.socket:
         if user >= 0:
             with contextlib.suppress(OSError):
                 os.close(user)
+
+
+def sock_diag(nl: socket.socket, req: bytes) -> bytes | None:
+    """One sock_diag request (`req`, the family's request struct) on the netlink socket
+    `nl`: the answer's body, or None when the kernel has no such socket (ENOENT). OSError
+    on any other answer. The one exchange the unix (`gateway/mux.py`) and the TCP
+    (`tcp_peers.py`) lookups share."""
+    head = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
+    nl.sendall(head + req)
+    data = nl.recv(1 << 16)
+    if len(data) < _NLMSG.size:
+        raise OSError("sock_diag: a short answer")
+    length, kind, _, _, _ = _NLMSG.unpack_from(data, 0)
+    if kind == NLMSG_ERROR:
+        (err,) = struct.unpack_from("=i", data, _NLMSG.size)
+        if -err == errno.ENOENT:
+            return None
+        raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
+    if kind != SOCK_DIAG_BY_FAMILY or length > len(data):
+        raise OSError("sock_diag: an unexpected answer")
+    return data[_NLMSG.size : length]

@@ -32,13 +32,11 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bastion.identity import netns
+
 NETLINK_SOCK_DIAG = 4
-SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST = 0x1
-NLMSG_ERROR = 2
 TCP_LISTEN = 10
 NOCOOKIE = 0xFFFFFFFF
-_NLMSG = struct.Struct("=IHHII")
 _REQ_HEAD = struct.Struct("=BBBBI")  # family, protocol, ext, pad, states
 _PORTS = struct.Struct("!HH")  # sport, dport: network order
 _TAIL = struct.Struct("=III")  # if, cookie[2]
@@ -114,19 +112,10 @@ class PeerSockets:
             + _packed(family, remote[0])
             + _TAIL.pack(0, NOCOOKIE, NOCOOKIE)
         )
-        head = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
-        self._nl.sendall(head + req)
-        data = self._nl.recv(1 << 16)
-        if len(data) < _NLMSG.size:
-            raise OSError("sock_diag: a short answer")
-        length, kind, _, _, _ = _NLMSG.unpack_from(data, 0)
-        if kind == NLMSG_ERROR:
-            (err,) = struct.unpack_from("=i", data, _NLMSG.size)
-            if -err == errno.ENOENT:
-                return None
-            raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
-        body = data[_NLMSG.size : length]
-        if kind != SOCK_DIAG_BY_FAMILY or len(body) < _MSG_HEAD.size + _SOCKID + _MSG_TAIL.size:
+        body = netns.sock_diag(self._nl, req)
+        if body is None:
+            return None
+        if len(body) < _MSG_HEAD.size + _SOCKID + _MSG_TAIL.size:
             raise OSError("sock_diag: an unexpected answer")
         _, state, _, _ = _MSG_HEAD.unpack_from(body, 0)
         sport, dport = _PORTS.unpack_from(body, _MSG_HEAD.size)
