@@ -221,6 +221,18 @@ def witness_lines(w: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def run_lines(runs: list[dict[str, Any]] | None) -> list[str]:
+    """`status`'s live runs, each with what its sandbox was given (its claim)."""
+    if not runs:
+        return ["runs:      none"]
+    out = [f"runs:      {len(runs)}"]
+    for r in runs:
+        given = r.get("given")
+        what = "not sandboxed" if given is None else ", ".join(given) or "the defaults"
+        out.append(f"  {r.get('label') or '(no label)'} (pid {r.get('pid')}): {what}")
+    return out
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -274,6 +286,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"operator:  {listener(listeners.get('operator'))}",
             f"console:   {console_line(s.get('console'))}",
             f"pending:   {s['pending']} card(s), sessions: {s['sessions']}",
+            *run_lines(s.get("runs")),
             *load_lines(s.get("load")),
             f"boot:      {s['boot_id']}",
             *witness_lines(s.get("witness")),

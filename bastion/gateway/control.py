@@ -136,6 +136,8 @@ class GatewayView(Protocol):
 
     def keys_held(self) -> dict[str, int]: ...
 
+    def live_runs(self) -> list[dict[str, Any]]: ...
+
     def agent_processes(self) -> set[tuple[int, float]]: ...
 
     def home_status(self) -> dict[str, Any]: ...
@@ -213,6 +215,8 @@ class Control:
             "pending": len(self.book.pending()),
             "agent_connections": len(self.service.connections),
             "sessions": len(self.book.sessions()),
+            # Each live run and what its sandbox was given (the project, --rw, ...).
+            "runs": gw.live_runs(),
             "pid": os.getpid(),
             "agent_socket": gw.shown(str(gw.settings.agent_socket)),
             "listeners": gw.listeners_health(),

@@ -370,6 +370,20 @@ class Gateway:
         if was_run:
             self.save_runs()
 
+    def live_runs(self) -> list[dict[str, Any]]:
+        """The registered runs that live, each with what its sandbox was given (the
+        project, each `--rw`, `--expose`, `--share-net` ...; None: not sandboxed), for
+        `bastion status`: the run's claim, as its registration said it."""
+        return [
+            {
+                "pid": pid,
+                "label": run.label,
+                "given": list(run.given) if run.given is not None else None,
+                "registered_at": run.registered_at,
+            }
+            for (pid, _), run in sorted(self.resolver.runs.items())
+        ]
+
     # -- runs that outlive a lifetime ------------------------------------------------------
 
     @property

@@ -388,6 +388,31 @@ def test_npm_install_goes_into_the_overlay(op: Operator, project: Path) -> None:
     assert (project / "node_modules" / "tinynpm").exists()  # the project's, on the disk
 
 
+def test_status_names_what_each_live_run_was_given(op: Operator, project: Path) -> None:
+    import json
+    import time
+
+    ready = project / "ready"
+    argv = op.cli("run", "--label", "given", "--share-net", "--rw-git", "--", "/bin/sh", "-c",
+                  f"touch {ready}; sleep 60")  # fmt: skip
+    run = subprocess.Popen(op.argv(*argv), env=op.env(), cwd=project,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+        runs = json.loads(ok(op.bastion("status", "--json")).stdout)["runs"]
+        mine = [r for r in runs if r["label"] == "given"]
+        assert mine and mine[0]["given"] == [f"project {project}", "--rw-git", "--share-net"]
+        human = ok(op.bastion("status")).stdout
+        assert f"given (pid {run.pid}): project {project}, --rw-git, --share-net" in human
+        assert "what a default run can read, write and reach:" in human
+    finally:
+        run.kill()
+        run.wait(30)
+
+
 # -- ssh through bastion from a default run ----------------------------------------------
 
 
