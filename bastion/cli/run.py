@@ -1,16 +1,21 @@
 """`bastion run`: start an agent as a registered run, in a sandbox of its own.
 
 The order is the promise: first the sandbox is checked (`sandbox.prepare`: the
-tool is there, the kernel lets it make namespaces), then this process
-registers itself as the run, then CMD starts under bubblewrap. Where the
-sandbox cannot be made, nothing registers and nothing starts; `--no-sandbox`
-is the explicit way round, and its cards say so.
+tools are there, the kernel lets it make namespaces, the home overlay and the
+network namespace), then this process registers itself as the run, naming what
+the run was given (its project, each `--rw` ...), then CMD starts under
+bubblewrap on the run's layer, and the run's network is given it before CMD
+runs. Where the sandbox cannot be made, nothing registers and nothing starts;
+`--no-sandbox` is the explicit way round, and its cards say so.
 
-This process stays outside the sandbox, as its supervisor: it forwards
-SIGINT, SIGTERM and SIGHUP to the processes of the run, and when CMD exits it
-ends whatever is left. If it is killed itself (SIGKILL included), the kernel
-ends the sandbox: bwrap's `--die-with-parent` kills the namespace's first
-process, and with it every process in the namespace.
+This process stays outside the sandbox, as its supervisor. SIGTERM, SIGHUP or a
+SIGINT sent by a process is passed on to every process of the run, and after
+END_GRACE whatever is left is killed (stopped and traced processes too); a
+terminal's Ctrl-C is passed on and nothing more. When CMD exits it ends
+whatever is left, and says what the run did to its project's git directory that
+git would run code from (`sandbox.git_after_run`). If it is killed itself
+(SIGKILL included), the kernel ends the sandbox: bwrap's `--die-with-parent`
+kills the namespace's first process, and with it every process in the namespace.
 """
 
 from __future__ import annotations
