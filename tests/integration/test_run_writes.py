@@ -12,6 +12,7 @@ project's `.git/config` and hooks written, the host's loopback reached.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import threading
@@ -411,6 +412,77 @@ def test_status_names_what_each_live_run_was_given(op: Operator, project: Path) 
     finally:
         run.kill()
         run.wait(30)
+
+
+FAKE_OPERATOR = r"""
+import socket, sys
+path, out = sys.argv[1], sys.argv[2]
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(1)
+server.settimeout(60)
+got = b""
+try:
+    conn, _ = server.accept()
+    conn.settimeout(10)
+    while chunk := conn.recv(65536):
+        got += chunk
+        conn.sendall(b'{"ok": true, "result": {"locked": false, "vault_epoch": 99}}\n')
+except OSError:
+    pass
+finally:
+    open(out, "wb").write(got)
+"""
+
+
+def test_the_cli_sends_no_passphrase_to_a_server_in_a_run(op: Operator, project: Path) -> None:
+    """The review's fake operator socket, served from inside a real run (the socket in
+    a directory the run was given, a home whose operator/ leads there, a record that
+    names the fake as the gateway): `bastion unlock` refuses it and sends nothing.
+    Control: the same unlock, at the real home, reaches the real gateway."""
+    import json
+    import time
+
+    import psutil
+
+    from bastion.ops import opsock
+
+    door = project / "fake-operator"
+    door.mkdir()
+    os.chown(door, op.uid, op.gid)
+    sock, got = door / "operator.sock", door / "received"
+    argv = op.cli("run", "--label", "fake", "--rw", str(door), "--",
+                  "/usr/bin/python3", "-c", FAKE_OPERATOR, str(sock), str(got))  # fmt: skip
+    run = subprocess.Popen(op.argv(*argv), env=op.env(), cwd=project,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+        fake = next(p for p in psutil.Process(run.pid).children(recursive=True)
+                    if p.name().startswith("python") and str(sock) in p.cmdline())  # fmt: skip
+        ticks = int(Path(f"/proc/{fake.pid}/stat").read_text().rsplit(")")[1].split()[19])
+        links = {ns: os.readlink(f"/proc/{fake.pid}/ns/{ns}") for ns in opsock.NAMESPACES}
+        record = {**opsock.own_record(), "uid": op.uid, "pid": fake.pid, "start_ticks": ticks,
+                  "namespaces": links}  # fmt: skip
+        op.write(door / "gateway.json", json.dumps(record))
+        rebuilt = op.home / "rebuilt-home"
+        ok(op.sh(f"mkdir -p {rebuilt} && ln -s {door} {rebuilt}/operator"))
+        r = op.bastion("--home", str(rebuilt), "unlock", "--passphrase-stdin", stdin="pw\n")
+        assert r.returncode == 1 and "unlocked" not in r.stdout, r
+        assert f"is answered by pid {fake.pid}" in r.stderr and "nothing was sent" in r.stderr
+        run.wait(60)
+        assert got.read_bytes() == b"", "the passphrase reached the fake server"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+    ok(op.bastion("lock"))
+    from tests.harness import PASSPHRASE
+
+    r = ok(op.bastion("unlock", "--passphrase-stdin", stdin=PASSPHRASE + "\n"))
+    assert r.stdout.startswith("unlocked")
 
 
 # -- ssh through bastion from a default run ----------------------------------------------
