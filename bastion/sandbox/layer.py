@@ -187,6 +187,23 @@ def probe(layer: Layer, user: tuple[int, int] | None = None) -> str | None:
     return said or f"exit {os.waitstatus_to_exitcode(status)}"
 
 
+def mounts_below(home: Path) -> list[Path]:
+    """The mount points strictly below `home` (a FUSE or sshfs mount, a container's
+    storage): an overlay made in a user namespace cannot cover them, as the kernel locks
+    every mount it copies into a less privileged namespace."""
+    root = os.path.realpath(home)
+    found: list[Path] = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                point = line.split()[4].encode().decode("unicode_escape")
+                if point != root and point.startswith(root.rstrip("/") + "/"):
+                    found.append(Path(point))
+    except (OSError, IndexError, UnicodeDecodeError):
+        return found
+    return sorted(set(found))
+
+
 def kept_home(uid: int, label: str) -> Path:
     """Where `--keep-home` keeps a label's upper layer: outside the home (an overlay's
     upper layer may not lie in its lower), in /var/tmp (kept across reboots), in a 0700

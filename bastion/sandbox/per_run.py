@@ -486,6 +486,15 @@ def prepare(
             )
     layer = the_layer(layout, given, root=root)
     why = layer_mod.probe(layer, user)
+    below = layer_mod.mounts_below(layer.home) if why is not None and layer.home else []
+    if below:
+        shown = ", ".join(str(m) for m in below[:3]) + (" ..." if len(below) > 3 else "")
+        raise Unavailable(
+            f"your home has mounts below it ({shown}), and an overlay made in a user "
+            "namespace cannot cover a mount (the kernel locks them in it)",
+            "unmount them while the run works, or give the run an empty home of its own "
+            "with --private-home (the project stays)",
+        )
     if why is not None:
         raise Unavailable(
             f"the run's own home and network could not be made ({why})",

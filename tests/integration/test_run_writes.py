@@ -224,6 +224,22 @@ def test_a_door_that_would_hold_the_home_is_refused_with_why(op: Operator) -> No
     assert "no project is given" in r.stderr and not (op.home / "in-home").exists()
 
 
+def test_a_home_with_a_mount_below_it_is_refused_with_the_fix(op: Operator, project: Path) -> None:
+    """A mount below the home (sshfs, FUSE, a container's storage) cannot be covered by
+    an overlay made in a user namespace: the run refuses before it registers, naming the
+    mount; --private-home works. Control: every other test, without the mount."""
+    mnt = op.home / "mnt"
+    mnt.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(mnt)], check=True)
+    try:
+        r = op.run("true", cwd=project)
+        assert r.returncode != 0 and f"mounts below it ({mnt})" in r.stderr, r.stderr
+        assert "--private-home" in r.stderr and "registered" not in r.stderr
+        ok(op.run("echo works", "--private-home", cwd=project))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 # -- what a run must not read -----------------------------------------------------------
 
 SECRETS = {
