@@ -855,3 +855,27 @@ def subcommands(group: Any) -> list[tuple[str, Any]]:
 
     ctx = click.Context(group)
     return [(name, group.get_command(ctx, name)) for name in group.list_commands(ctx)]
+
+
+# A stand-in for the operator socket's server (tests/integration/test_home_held.py,
+# test_run_writes.py): argv PATH OUT; it answers like an unlocked gateway and writes to
+# OUT every byte it was sent (an empty file: the CLI sent nothing).
+FAKE_OPERATOR = r"""
+import socket, sys
+path, out = sys.argv[1], sys.argv[2]
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(1)
+server.settimeout(60)
+got = b""
+try:
+    conn, _ = server.accept()
+    conn.settimeout(10)
+    while chunk := conn.recv(65536):
+        got += chunk
+        conn.sendall(b'{"ok": true, "result": {"locked": false, "vault_epoch": 99}}\n')
+except OSError:
+    pass
+finally:
+    open(out, "wb").write(got)
+"""

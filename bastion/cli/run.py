@@ -545,23 +545,22 @@ def _kept_home(label: str) -> Path:
     return path
 
 
+def _paths(flag: str, help: str) -> Callable[[Any], Any]:
+    """A repeatable path option of the sandbox's (`--hide`, `--ro`, `--rw`, `--expose`)."""
+    return click.option(flag, flag[2:], multiple=True, type=click.Path(path_type=Path), help=help)
+
+
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--label", default="", help="Shown on the operator's cards.")
 @click.option("--agent-socket", type=click.Path(path_type=Path), default=None)
-@click.option(
+@_paths(
     "--hide",
-    "hide",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Hide one more path from the run (an empty directory, or /dev/null for a file). "
+    "Hide one more path from the run (an empty directory, or /dev/null for a file). "
     "Repeatable; shown on the run's cards.",
 )
-@click.option(
+@_paths(
     "--ro",
-    "ro",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Give the run this path read-only (also one the defaults hide). Repeatable; shown "
+    "Give the run this path read-only (also one the defaults hide). Repeatable; shown "
     "on the run's cards.",
 )
 @click.option(
@@ -570,21 +569,15 @@ def _kept_home(label: str) -> Path:
     help="An empty HOME of the run's own instead of the overlay (the project stays). "
     "Shown on the run's cards.",
 )
-@click.option(
+@_paths(
     "--rw",
-    "rw",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Give the run this path read-write, as it is on the disk (besides the project). "
+    "Give the run this path read-write, as it is on the disk (besides the project). "
     "Not the home, its start-up files, the bastion home or bastion itself. Repeatable; "
     "shown on the run's cards.",
 )
-@click.option(
+@_paths(
     "--expose",
-    "expose",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Give the run back, read-only, a path the sandbox hides (a browser profile, a "
+    "Give the run back, read-only, a path the sandbox hides (a browser profile, a "
     "CLI's credentials, a key). Repeatable; shown on the run's cards.",
 )
 @click.option(

@@ -37,6 +37,7 @@ from bastion.home import Home
 from bastion.ops import opsock
 from bastion.vault import Vault
 from tests.harness import (
+    FAKE_OPERATOR,
     PASSPHRASE,
     Bastion,
     _copy_made_home,
@@ -228,23 +229,6 @@ def test_unlock_sends_nothing_to_a_socket_the_gateway_did_not_bind(bastion: Bast
 
 
 UNSHARE = ("unshare", "--user", "--map-root-user", "--pid", "--fork")  # a sandbox's two
-SERVE = r"""
-import socket, sys
-path, out = sys.argv[1], sys.argv[2]
-server = socket.socket(socket.AF_UNIX)
-server.bind(path)
-server.listen(1)
-server.settimeout(30)
-got = b""
-try:
-    conn, _ = server.accept()
-    conn.settimeout(10)
-    while chunk := conn.recv(65536):
-        got += chunk
-        conn.sendall(b'{"ok": true, "result": {"locked": false, "vault_epoch": 99}}\n')
-finally:
-    open(out, "wb").write(got)
-"""
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is missing")
@@ -259,7 +243,7 @@ def test_unlock_sends_nothing_to_a_server_in_namespaces_of_its_own(
     aside, kept = real.with_name("operator.sock.real"), record.read_bytes()
     out = tmp_path / "received"
     real.rename(aside)
-    server = subprocess.Popen([*UNSHARE, sys.executable, "-c", SERVE, str(real), str(out)])
+    server = subprocess.Popen([*UNSHARE, sys.executable, "-c", FAKE_OPERATOR, str(real), str(out)])
     try:
         wait_for(real.exists, timeout=20)
         (fake,) = psutil.Process(server.pid).children()

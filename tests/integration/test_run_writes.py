@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bastion.devtools.sshd_fixture import SshdInfo
+from tests.harness import FAKE_OPERATOR
 from tests.operator_home import Operator, operator
 
 
@@ -428,27 +429,6 @@ def test_status_names_what_each_live_run_was_given(op: Operator, project: Path) 
     finally:
         run.kill()
         run.wait(30)
-
-
-FAKE_OPERATOR = r"""
-import socket, sys
-path, out = sys.argv[1], sys.argv[2]
-server = socket.socket(socket.AF_UNIX)
-server.bind(path)
-server.listen(1)
-server.settimeout(60)
-got = b""
-try:
-    conn, _ = server.accept()
-    conn.settimeout(10)
-    while chunk := conn.recv(65536):
-        got += chunk
-        conn.sendall(b'{"ok": true, "result": {"locked": false, "vault_epoch": 99}}\n')
-except OSError:
-    pass
-finally:
-    open(out, "wb").write(got)
-"""
 
 
 def test_the_cli_sends_no_passphrase_to_a_server_in_a_run(op: Operator, project: Path) -> None:
