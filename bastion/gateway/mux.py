@@ -167,13 +167,13 @@ def mux_clients(run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
     connection; `proxy_pid`: the process that connected (`bastion proxy`, which may
     still hold the socket it handed to ssh for a moment)."""
     try:
+        tree = run_tree(run_pid)  # walked once: the namespaces and the holders both read it
         with contextlib.ExitStack() as stack:
             others = tuple(
-                stack.enter_context(netns.socket_in(pid, *_DIAG))
-                for pid in _other_namespaces(run_tree(run_pid))
+                stack.enter_context(netns.socket_in(pid, *_DIAG)) for pid in _other_namespaces(tree)
             )
             table = stack.enter_context(Sockets(others))
-            return _mux_clients(table, run_pid, own_socket, proxy_pid)
+            return _mux_clients(table, tree, own_socket, proxy_pid)
     except OSError as exc:
         return MuxView(None, f"the kernel's unix sockets could not be read: {exc}")
 
@@ -190,13 +190,12 @@ def _other_namespaces(tree: list[int]) -> list[int]:
     return list(seen.values())
 
 
-def _mux_clients(table: Sockets, run_pid: int, own_socket: int, proxy_pid: int) -> MuxView:
+def _mux_clients(table: Sockets, tree: list[int], own_socket: int, proxy_pid: int) -> MuxView:
     ours = table.get(own_socket)
     if ours is None or ours.peer == 0:
         return MuxView(False, "the ssh client's end of this connection is gone")
     holders: dict[int, set[int]] = {}
     unreadable: list[int] = []
-    tree = run_tree(run_pid)
     if len(tree) >= _MAX_TREE:
         return MuxView(None, f"the run has more than {_MAX_TREE} processes")
     read = 0
